@@ -1,0 +1,325 @@
+"""Checkpoint I/O: read tensors one at a time from safetensors shards, write capped output
+shards with an index, publish an output folder atomically, copy tokenizer files.
+
+Nothing here knows about quantization; tensors go in and out unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from .errors import InputError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".msgpack", ".h5", *PICKLE_SUFFIXES)
+NOT_COPIED = {"config.json", "README.md", ".gitattributes", "quantization_report.json", "verify_report.json"}
+
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, read from the shard header without loading data."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype | str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    length: int  # bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.length
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise InputError(f"{model_dir}: no config.json; point --model at a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """Parse a safetensors header and check the file holds every byte it promises.
+
+    Returns (offset of the data section, header dict)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise InputError(f"{path.name}: truncated safetensors file ({size} bytes)")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > min(size - 8, 100_000_000):
+                raise InputError(f"{path.name}: corrupt safetensors header (length {hlen}, file {size} bytes)")
+            header = json.loads(f.read(hlen))
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InputError(f"{path.name}: corrupt safetensors header") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + hlen + end > size:
+        raise InputError(f"{path.name}: truncated: header promises {8 + hlen + end} bytes, file has {size}")
+    return 8 + hlen, header
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint (one file or an index), read one at a time."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        self.files = _weight_files(self.dir)
+        self.infos: dict[str, TensorInfo] = {}
+        for file in self.files:
+            base, header = _read_header(file)
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in self.infos:
+                    raise InputError(f"tensor {name} appears in both {self.infos[name].file.name} and {file.name}")
+                try:
+                    dtype = _DTYPES.get(meta["dtype"], meta["dtype"])
+                    start, end = meta["data_offsets"]
+                    shape = tuple(int(d) for d in meta["shape"])
+                except (KeyError, TypeError, ValueError):
+                    raise InputError(f"{file.name}: corrupt header entry for {name}") from None
+                numel = math.prod(shape)
+                if isinstance(dtype, torch.dtype) and numel * dtype.itemsize != end - start:
+                    raise InputError(f"{file.name}: tensor {name} has {end - start} bytes for shape {list(shape)}")
+                self.infos[name] = TensorInfo(name, file, dtype, shape, base + start, end - start)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.infos.values())
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor into its own memory (no mmap, so only what is held stays resident)."""
+        info = self.infos[name]
+        if not isinstance(info.dtype, torch.dtype):
+            raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
+        buf = bytearray(info.length)
+        try:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise InputError(f"{info.file.name}: cannot read tensor {name} ({e.strerror})") from None
+        if got != info.length:
+            raise InputError(f"{info.file.name}: truncated while reading {name}")
+        if not buf:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise InputError(f"{index.name} names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
+        return [model_dir / f for f in files]
+    single = model_dir / SINGLE_NAME
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    if len(found) > 1:
+        raise InputError(f"{model_dir}: {len(found)} safetensors files but no {INDEX_NAME}")
+    pickles = [p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise InputError(
+            f"{model_dir}: only pickle weights ({', '.join(pickles[:3])}); int4q never unpickles, "
+            "convert them to safetensors with a tool you trust"
+        )
+    raise InputError(f"{model_dir}: no safetensors weights found")
+
+
+class ShardWriter:
+    """Write tensors into shards of at most ``max_shard_bytes`` (a single tensor may exceed it).
+
+    Shards are written as they fill, so at most one shard's tensors are held in memory.
+    :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` and writes the index, or a
+    single ``model.safetensors`` when everything fit in one.
+    """
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int):
+        self.dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[Path, list[str], int]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.dir / f".shard-{len(self._written) + 1:05d}.safetensors"
+        write_safetensors(path, self._pending)
+        self._written.append((path, list(self._pending), self._pending_bytes))
+        self._pending, self._pending_bytes = {}, 0
+        release_free_memory()
+
+    def finish(self) -> list[Path]:
+        """Flush, rename the shards to their final names, write the index; return the shard paths."""
+        self._flush()
+        count = len(self._written)
+        if count == 1:
+            final = self.dir / SINGLE_NAME
+            self._written[0][0].rename(final)
+            return [final]
+        weight_map, paths, total = {}, [], 0
+        for i, (path, names, nbytes) in enumerate(self._written, start=1):
+            final = self.dir / f"model-{i:05d}-of-{count:05d}.safetensors"
+            path.rename(final)
+            paths.append(final)
+            total += nbytes
+            weight_map.update({n: final.name for n in names})
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return paths
+
+
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def release_free_memory() -> None:
+    """Return freed heap pages to the OS (glibc). Tensors of a few MB come from the heap, and
+    without this a long stream of them fragments it so resident memory creeps up with model size."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file straight from tensor memory (no serialized copy in RAM)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.int4q-partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.int4q-old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def copy_aux_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer, generation-config and chat-template files (everything but weights,
+    config.json and the source's model card). Returns the names copied."""
+    copied = []
+    for p in sorted(Path(src).iterdir()):
+        if not p.is_file() or p.name in NOT_COPIED or p.name.endswith(".index.json"):
+            continue
+        if p.suffix in WEIGHT_SUFFIXES:
+            continue
+        shutil.copy2(p, Path(dst) / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def write_json(path: Path, obj: dict) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '64KiB', '1000' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            t, factor = t[: -len(unit)], mult
+            break
+    else:
+        factor = 1
+    try:
+        value = float(t)
+    except ValueError:
+        raise InputError(f"cannot read size {text!r}; use e.g. 2GB, 500MB or 64KiB") from None
+    if value <= 0:
+        raise InputError(f"size must be positive, got {text!r}")
+    return int(value * factor)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local folder as is; otherwise treat ``model`` as a Hub repo id and fetch its files."""
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"{model} is a file; --model takes a model folder or a Hub repo id")
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        raise InputError(f"{model}: no such folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+            )
+        )
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{model}: not a local folder and could not be fetched from the Hub ({reason})") from None

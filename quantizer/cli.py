@@ -1,0 +1,134 @@
+"""The ``int4q`` command line: parse options, show progress, turn errors into one line and an
+exit code. No quantization logic lives here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import click
+
+from .errors import Int4qError
+
+
+class Int4qGroup(click.Group):
+    """Maps library errors to one line on stderr and exit 1; never prints a traceback unless
+    INT4Q_DEBUG=1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Int4qError as e:
+            raise click.ClickException(str(e)) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.echo("int4q: interrupted", err=True)
+            sys.exit(130)
+        except MemoryError:
+            raise click.ClickException("out of memory") from None
+        except Exception as e:  # an unexpected failure: still one line, with a way to see more
+            if os.environ.get("INT4Q_DEBUG") == "1":
+                traceback.print_exc()
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise click.ClickException(
+                f"internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)"
+            ) from None
+
+
+@click.group(cls=Int4qGroup)
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+@click.version_option(package_name="int4q")
+def main(verbose: bool) -> None:
+    """int4q: 4-bit group-wise checkpoints for CPU inference."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="int4q: %(message)s")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process image, in MiB.
+
+    VmHWM, not ru_maxrss: the latter survives exec and so counts a large parent's pages that a
+    forked child briefly shared."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _group_size(value: str) -> int | None:
+    return None if value == "auto" else int(value)
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="bf16/fp16/fp32 model folder or Hub repo id.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output folder.")
+@click.option(
+    "--group-size", default="auto", show_default=True,
+    type=click.Choice(["auto", "32", "64", "128", "256"]),
+    help="Input columns per scale/zero group; auto = largest of 128/64/32 dividing every input dim.",
+)
+@click.option("--method", default="minmax", show_default=True, type=click.Choice(["minmax", "gptq"]),
+              help="minmax: round-to-nearest on each group's min/max grid; gptq: GPTQ with calibration text.")
+@click.option("--sym/--asym", "symmetric", default=False, show_default=True,
+              help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.")
+@click.option("--search", "clip_search", is_flag=True, help="Per-group clipping search minimising squared error.")
+@click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16.")
+@click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
+@click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
+def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedding, untie_head, ignore,
+             max_shard_size, overwrite, progress):
+    """Quantize a checkpoint to the cpu_int4 format, streaming one tensor at a time."""
+    from tqdm import tqdm
+
+    from .checkpoint import atomic_output_dir, parse_size, resolve_model_dir
+    from .pipeline import QuantizeOptions, plan_quantization, run_quantization
+
+    if method == "gptq":
+        raise click.UsageError("--method gptq is not available yet")
+    if Path(out).exists() and not overwrite:
+        raise click.UsageError(f"{out} already exists; pass --overwrite to replace it")
+    options = QuantizeOptions(
+        group_size=_group_size(group_size), symmetric=symmetric, clip_search=clip_search,
+        keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
+        max_shard_bytes=parse_size(max_shard_size), method=method,
+    )
+    start = time.perf_counter()
+    plan = plan_quantization(resolve_model_dir(model), options)
+    bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,
+               file=sys.stderr)
+    with atomic_output_dir(out, overwrite) as tmp:
+        report = run_quantization(plan, tmp, progress=lambda name, nbytes: bar.update(nbytes))
+    bar.close()
+    s = report["summary"]
+    click.echo(
+        f"quantized {s['tensors_quantized']} tensors at group {plan.qconfig.group_size}: "
+        f"{s['bits_per_weight']} bits/weight, min SNR {s['snr_db_min']} dB, "
+        f"{s['source_bytes'] / 1e6:.1f} MB -> {s['output_bytes'] / 1e6:.1f} MB in "
+        f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mb():.0f} MiB -> {out}"
+    )
+
+
+@main.command("bundled-model")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def bundled_model(out, overwrite):
+    """Write the bundled SmolLM2-135M-Instruct as a bf16 checkpoint to OUT."""
+    from .bundled import build_default_model
+
+    if Path(out).exists() and not overwrite:
+        click.echo(f"{out} exists; keeping it")
+        return
+    build_default_model(out, overwrite=overwrite)
+    click.echo(f"wrote SmolLM2-135M-Instruct (bf16) -> {out}")

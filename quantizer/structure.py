@@ -1,0 +1,75 @@
+"""Which checkpoint tensors are linear weights, the vocabulary table and the head, decided from
+the model's own module tree built on the meta device (no weights are allocated)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """Module names (no ``.weight`` suffix) of a causal LM's linears, embedding and head."""
+
+    linears: tuple[str, ...]
+    embedding: str | None
+    head: str | None
+    tied: bool
+
+    @property
+    def decoder_linears(self) -> tuple[str, ...]:
+        """The linears other than the output head."""
+        return tuple(n for n in self.linears if n != self.head)
+
+
+def build_config(config_dict: dict):
+    """A transformers config object from a config.json dict (no network)."""
+    from transformers import AutoConfig
+
+    cfg = dict(config_dict)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise InputError("config.json has no model_type")
+    cfg.pop("quantization_config", None)
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise UnsupportedError(f"transformers cannot build model_type {model_type!r} ({e})") from None
+
+
+def build_meta_model(config_dict: dict) -> torch.nn.Module:
+    """The causal-LM module tree on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(config_dict)
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+
+
+def tie_word_embeddings(config_dict: dict) -> bool:
+    text = config_dict.get("text_config") or {}
+    return bool(config_dict.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def inspect_structure(config_dict: dict) -> ModelStructure:
+    model = build_meta_model(config_dict)
+    names = {id(m): n for n, m in model.named_modules()}
+    linears = tuple(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    emb_name = names.get(id(emb)) if emb is not None else None
+    head_name = names.get(id(head)) if head is not None else None
+    if head is not None and type(head) is not torch.nn.Linear:
+        head_name = None
+    return ModelStructure(linears, emb_name, head_name, tie_word_embeddings(config_dict))

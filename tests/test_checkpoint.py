@@ -1,0 +1,140 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantizer.checkpoint import (
+    CheckpointReader,
+    ShardWriter,
+    atomic_output_dir,
+    copy_aux_files,
+    parse_size,
+    write_safetensors,
+)
+from quantizer.errors import InputError
+
+
+def test_written_safetensors_load_back_identically(tmp_path):
+    tensors = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.uint8),
+        "c": torch.randn(2, 2, dtype=torch.float32),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    }
+    write_safetensors(tmp_path / "x.safetensors", tensors)
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_reader_reads_what_safetensors_wrote(tmp_path):
+    t = {"w": torch.randn(16, 8).to(torch.bfloat16), "n": torch.randn(8).to(torch.float16)}
+    save_file(t, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    reader = CheckpointReader(tmp_path)
+    assert set(reader.infos) == {"w", "n"}
+    assert reader.infos["w"].shape == (16, 8)
+    for k in t:
+        assert torch.equal(reader.get(k), t[k])
+
+
+def test_shard_writer_caps_shards_and_writes_an_index(tmp_path):
+    writer = ShardWriter(tmp_path, max_shard_bytes=1000)
+    tensors = {f"t{i}": torch.full((100,), float(i), dtype=torch.float32) for i in range(5)}  # 400 B each
+    for k, v in tensors.items():
+        writer.add(k, v)
+    paths = writer.finish()
+    assert [p.name for p in paths] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["t4"] == "model-00003-of-00003.safetensors"
+    assert index["metadata"]["total_size"] == 2000
+    reader = CheckpointReader(tmp_path)
+    for k, v in tensors.items():
+        assert torch.equal(reader.get(k), v)
+
+
+def test_single_shard_is_named_model_safetensors(tmp_path):
+    writer = ShardWriter(tmp_path, max_shard_bytes=10**9)
+    writer.add("x", torch.ones(4))
+    assert [p.name for p in writer.finish()] == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def _model_dir(tmp_path, tensors=None):
+    (tmp_path / "config.json").write_text("{}")
+    save_file(tensors or {"w": torch.randn(64, 64)}, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_truncated_shard_is_reported(tmp_path):
+    d = _model_dir(tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(InputError, match="truncated"):
+        CheckpointReader(d)
+
+
+def test_corrupt_header_is_reported(tmp_path):
+    d = _model_dir(tmp_path)
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[10:20] = b"\xff" * 10
+    (d / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(InputError, match="corrupt"):
+        CheckpointReader(d)
+
+
+def test_index_naming_a_missing_shard_is_reported(tmp_path):
+    d = _model_dir(tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    with pytest.raises(InputError, match="missing shard.*gone.safetensors"):
+        CheckpointReader(d)
+
+
+def test_pickle_only_checkpoint_is_refused_without_unpickling(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(InputError, match="never unpickles"):
+        CheckpointReader(tmp_path)
+
+
+def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_output_dir(out, overwrite=False) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_output_dir_refuses_existing_unless_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("x")
+    with pytest.raises(InputError, match="--overwrite"):
+        with atomic_output_dir(out, overwrite=False):
+            pass
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "new").write_text("y")
+    assert [p.name for p in out.iterdir()] == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_aux_files_are_copied_but_not_weights_or_model_card(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir(), dst.mkdir()
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json", "config.json", "README.md",
+                 "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"):
+        (src / name).write_text("x")
+    assert copy_aux_files(src, dst) == ["chat_template.jinja", "generation_config.json", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("text,expected", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("64KiB", 65536), ("1000", 1000)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(InputError):
+        parse_size("lots")
