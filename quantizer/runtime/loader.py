@@ -1,0 +1,164 @@
+"""Build any transformers causal LM from a checkpoint folder and load its weights, swapping the
+quantized linears and vocabulary table for int4 modules. Also loads plain bf16 checkpoints
+through the same path, so the two can be compared like against like."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointReader, read_config, release_free_memory
+from ..config import QuantizationConfig
+from ..errors import InputError, UnsupportedError
+from ..structure import build_config, tie_word_embeddings
+from .modules import Int4Linear, quantize_embedding_module, tied_head
+
+log = logging.getLogger(__name__)
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
+
+
+def read_quantization_config(config: dict) -> QuantizationConfig | None:
+    """The checkpoint's QuantizationConfig, None for an unquantized one; UnsupportedError otherwise."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "cpu_int4":
+        raise UnsupportedError(f"this runtime runs cpu_int4 checkpoints, not quant_method {method!r}")
+    return QuantizationConfig.from_dict(qc)
+
+
+def _empty_model(config_dict: dict) -> torch.nn.Module:
+    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(config_dict)
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except ValueError as e:
+            raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def _quantized_modules(reader: CheckpointReader) -> list[str]:
+    return sorted(n.removesuffix(".weight_packed") for n in reader.infos if n.endswith(".weight_packed"))
+
+
+def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
+    """Load a cpu_int4 (or plain) checkpoint folder as a transformers model ready for ``generate``.
+
+    Activations are bf16 end to end: unquantized float tensors are cast to bf16.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    path = Path(path)
+    config = read_config(path)
+    qc = read_quantization_config(config)
+    reader = CheckpointReader(path)
+    model = _empty_model(config)
+    modules = dict(model.named_modules())
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    emb_name = next(n for n, m in modules.items() if m is emb)
+    tied = tie_word_embeddings(config) and head is not None
+    quantized = _quantized_modules(reader) if qc else []
+    if quantized and qc is None:
+        raise InputError(f"{path}: has packed weights but no quantization_config")
+    runtime = {}
+    if qc:
+        runtime = dict(group_size=qc.group_size)
+        linear_kwargs = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant,
+                             direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op)
+    for name in quantized:
+        module = modules.get(name)
+        tensors = _read_quantized(reader, name, qc.group_size)
+        if module is emb:
+            if not qc.quantize_embedding:
+                raise InputError(f"{name} is quantized but quantization_config.quantize_embedding is false")
+            quantize_embedding_module(emb, *tensors, qc.group_size, with_kernel_layout=tied)
+        elif type(module) is torch.nn.Linear:
+            bias = reader.get(f"{name}.bias") if f"{name}.bias" in reader.infos else None
+            if (module.out_features, module.in_features) != (tensors[0].shape[0], tensors[0].shape[1] * 2):
+                raise InputError(f"{name}: packed shape {list(tensors[0].shape)} does not fit "
+                                 f"[{module.out_features}, {module.in_features}]")
+            _set_module(model, name, Int4Linear.from_row_major(*tensors, bias=bias, **runtime, **linear_kwargs))
+        else:
+            raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
+    head_name = next((n for n, m in modules.items() if m is head), None)
+    if tied and emb_name in quantized:
+        _set_module(model, head_name, tied_head(emb, **runtime, **linear_kwargs))
+    quantized_set = set(quantized)
+    for name, info in reader.infos.items():
+        module_name, _, attr = name.rpartition(".")
+        if module_name in quantized_set and (attr in QUANT_SUFFIXES or attr == "bias"):
+            continue
+        _set_tensor(model, name, reader.get(name))
+    if tied and emb_name not in quantized_set:
+        head.weight = emb.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise InputError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}")
+    model.int4q_config = qc
+    release_free_memory()
+    return model
+
+
+def import_architecture(path: Path) -> None:
+    """Build (and drop) the empty architecture once, so that one-time imports and allocations
+    are not charged to the first model whose memory is measured."""
+    _empty_model(read_config(Path(path)))
+    release_free_memory()
+
+
+def _read_quantized(reader: CheckpointReader, name: str, group_size: int):
+    try:
+        packed, scale, zero = (reader.get(f"{name}.{s}") for s in QUANT_SUFFIXES)
+    except KeyError as e:
+        raise InputError(f"{name}: missing tensor {e.args[0]}") from None
+    n, half = packed.shape
+    if packed.dtype != torch.uint8 or scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16:
+        raise InputError(f"{name}: expected uint8 packed and bf16 scale/zero")
+    if scale.shape != (n, 2 * half // group_size) or zero.shape != scale.shape:
+        raise InputError(f"{name}: scale/zero shape {list(scale.shape)} does not match group size {group_size} "
+                         f"for a [{n}, {2 * half}] weight")
+    return packed, scale, zero
+
+
+def _set_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        log.info("ignoring checkpoint tensor %s: no such module", name)
+        return
+    if tensor.is_floating_point():
+        tensor = tensor.to(torch.bfloat16)
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        if old is not None and tuple(old.shape) != tuple(tensor.shape):
+            raise InputError(f"{name}: shape {list(tensor.shape)} in the checkpoint, {list(old.shape)} in the model")
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        log.info("ignoring checkpoint tensor %s: not a parameter of %s", name, type(module).__name__)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise InputError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,236 @@
+"""The int4 linear and the int4 vocabulary lookup.
+
+Decode (fewer rows than ``dequant_threshold``) runs PyTorch's tinygemm kernel on the packed
+weight; prefill dequantizes to bf16 and calls ``F.linear`` (oneDNN). With ``direct_dequant`` the
+prefill path decodes the kernel's own layout, so no second copy of the weight is resident; a
+layer whose N does not tile the 64-channel block, or a CPU whose layout fails the probe, keeps
+a row-major copy instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..packing import (
+    dequantize_codes,
+    dequantize_int4pack,
+    kernel_layout_matches,
+    scales_and_zeros,
+    supports_direct_dequant,
+    to_int4pack,
+    unpack_nibbles,
+    TINYGEMM_N_BLOCK,
+)
+
+log = logging.getLogger(__name__)
+_warned_layout = False
+
+
+@torch.library.custom_op("int4q::linear", mutates_args=())
+def int4_linear_op(
+    x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int, threshold: int,
+    direct: bool, packed: torch.Tensor | None, scale: torch.Tensor | None, zero: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] bf16. Opaque to torch.compile, so the row-count branch is no guard."""
+    return _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero)
+
+
+@int4_linear_op.register_fake
+def _(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
+    return x.new_empty((x.shape[0], int4pack.shape[0]))
+
+
+def _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
+    if x.shape[0] >= threshold:
+        if direct:
+            return F.linear(x, dequantize_int4pack(int4pack, sz, group_size))
+        if packed is not None:
+            return F.linear(x, dequantize_codes(unpack_nibbles(packed), scale, zero))
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)
+
+
+def _layout_usable(n: int) -> bool:
+    global _warned_layout
+    if not supports_direct_dequant(n):
+        return False
+    if kernel_layout_matches(n):
+        return True
+    if not _warned_layout:
+        log.warning("the tinygemm weight layout on this CPU is not the one int4q decodes; keeping row-major copies")
+        _warned_layout = True
+    return False
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W stored as 4-bit codes in the tinygemm layout plus [G, N, 2] bf16 params.
+
+    Buffers: ``int4pack`` uint8 [N, K/2], ``sz`` bf16 [G, N, 2]; ``packed``/``scale``/``zero``
+    (row-major) only when the prefill path cannot decode the kernel layout.
+    """
+
+    def __init__(self, int4pack, sz, group_size: int, threshold: int = 2, prefill_dequant: bool = True,
+                 direct_dequant: bool = True, use_custom_op: bool = True, bias=None, row_major=None):
+        super().__init__()
+        self.out_features, half = int4pack.shape
+        self.in_features = half * 2
+        self.group_size = group_size
+        self.threshold = threshold if prefill_dequant else 2**62
+        self.use_custom_op = use_custom_op
+        self.register_buffer("int4pack", int4pack, persistent=False)
+        self.register_buffer("sz", sz, persistent=False)
+        self.direct = bool(prefill_dequant and direct_dequant and _layout_usable(self.out_features))
+        keep_row_major = prefill_dequant and not self.direct
+        if keep_row_major and row_major is None:
+            raise ValueError("a row-major copy is needed for this layer's prefill path")
+        packed, scale, zero = row_major if keep_row_major else (None, None, None)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero", zero, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16), persistent=False)
+
+    @classmethod
+    def from_row_major(cls, packed, scale, zero, group_size, **kwargs) -> "Int4Linear":
+        """Build from checkpoint tensors (packed [N, K/2] uint8, scale/zero [N, G] bf16)."""
+        return cls(to_int4pack(packed), scales_and_zeros(scale, zero), group_size,
+                   row_major=(packed, scale, zero), **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        args = (x2, self.int4pack, self.sz, self.group_size, self.threshold, self.direct,
+                self.packed, self.scale, self.zero)
+        if self.use_custom_op and torch.compiler.is_compiling():
+            out = int4_linear_op(*args)
+        else:  # eager: the op's dispatch would only add overhead
+            out = _int4_matmul(*args)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] this layer computes with (for verification)."""
+        if self.packed is not None:
+            return dequantize_codes(unpack_nibbles(self.packed), self.scale, self.zero)
+        return dequantize_int4pack(self.int4pack, self.sz, self.group_size)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"direct_dequant={self.direct}")
+
+
+class Int4Lookup(torch.nn.Embedding):
+    """The lookup part of an embedding, from 4-bit rows. Mixed into the original embedding class
+    (see :func:`quantize_embedding_module`) so that whatever that class does around
+    ``super().forward`` (Gemma scales by sqrt(hidden)) still happens.
+
+    Rows come from the tinygemm layout when a tied head shares it (no second copy), else from
+    row-major ``packed``/``scale``/``zero``.
+    """
+
+    def _int4_setup(self, int4pack, sz, row_major, group_size: int):
+        self.group_size = group_size
+        self._int4_shape = (self.num_embeddings, self.embedding_dim)
+        del self._parameters["weight"]
+        self.register_buffer("int4pack", int4pack, persistent=False)
+        self.register_buffer("sz", sz, persistent=False)
+        packed, scale, zero = row_major if row_major is not None else (None, None, None)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("zero", zero, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Shape and dtype only (on the meta device): the table is never materialised."""
+        return torch.empty(self._int4_shape, dtype=torch.bfloat16, device="meta")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if self.packed is not None:
+            codes = unpack_nibbles(self.packed.index_select(0, ids))
+            scale, zero = self.scale.index_select(0, ids), self.zero.index_select(0, ids)
+        else:
+            codes = _rows_from_int4pack(self.int4pack, ids)
+            scale, zero = self.sz[:, ids, 0].t(), self.sz[:, ids, 1].t()
+        rows = dequantize_codes(codes, scale, zero)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.packed is not None:
+            return dequantize_codes(unpack_nibbles(self.packed), self.scale, self.zero)
+        return dequantize_int4pack(self.int4pack, self.sz, self.group_size)
+
+
+def _rows_from_int4pack(int4pack: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Codes [T, K] of rows ``ids`` read from the kernel layout (N a multiple of 64)."""
+    n, half = int4pack.shape
+    runs = int4pack.view(n // TINYGEMM_N_BLOCK, half * 2, TINYGEMM_N_BLOCK // 2)
+    within = ids % TINYGEMM_N_BLOCK
+    bytes_ = runs[ids // TINYGEMM_N_BLOCK, :, within % (TINYGEMM_N_BLOCK // 2)]  # [T, K]
+    return torch.where((within < TINYGEMM_N_BLOCK // 2).unsqueeze(1), bytes_ & 0x0F, bytes_ >> 4)
+
+
+def quantize_embedding_module(module: torch.nn.Embedding, packed, scale, zero, group_size: int,
+                              with_kernel_layout: bool) -> torch.nn.Embedding:
+    """Turn ``module`` (nn.Embedding or a subclass) into an int4 lookup of the same class family.
+
+    With ``with_kernel_layout`` (a tied head will share it) the table is held once, in the
+    tinygemm layout, when this CPU's layout can be decoded row by row.
+    """
+    cls = type(module)
+    original_class = cls
+    if cls is torch.nn.Embedding:
+        new_cls = Int4Lookup
+    else:
+        # MRO: cls -> Int4Lookup -> nn.Embedding, so cls.forward's super().forward() is our lookup.
+        new_cls = type(f"Int4{cls.__name__}", (cls, Int4Lookup), {})
+    module.__class__ = new_cls
+    int4pack = sz = None
+    row_major = (packed, scale, zero)
+    if with_kernel_layout:
+        int4pack, sz = to_int4pack(packed), scales_and_zeros(scale, zero)
+        n = packed.shape[0]
+        if n % TINYGEMM_N_BLOCK == 0 and _layout_usable(n):
+            row_major = None
+    module._int4_setup(int4pack, sz, row_major, group_size)
+    module._int4_original_class = original_class
+    return module
+
+
+def dequantize_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every int4 module of ``model`` in place by its bf16 equivalent (nn.Linear with the
+    dequantized weight, the original embedding class with the dequantized table). A head tied to
+    the table stays tied. The result computes the same function through ordinary kernels."""
+    tables: dict[int, torch.nn.Parameter] = {}
+    for module in list(model.modules()):
+        if isinstance(module, Int4Lookup):
+            weight = torch.nn.Parameter(module.dequantized_weight(), requires_grad=False)
+            if module.int4pack is not None:
+                tables[id(module.int4pack)] = weight
+            for buf in ("int4pack", "sz", "packed", "scale", "zero"):
+                delattr(module, buf)
+            module.__class__ = module._int4_original_class
+            module.weight = weight
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int4Linear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                     device="meta")
+            weight = tables.get(id(module.int4pack))
+            if weight is None:
+                weight = torch.nn.Parameter(module.dequantized_weight(), requires_grad=False)
+            linear.weight = weight
+            if module.bias is not None:
+                linear.bias = torch.nn.Parameter(module.bias, requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, linear)
+    return model
+
+
+def tied_head(embedding: torch.nn.Module, **kwargs) -> Int4Linear:
+    """An Int4Linear that shares the quantized table's kernel-layout tensors (kwargs as Int4Linear)."""
+    row_major = (embedding.packed, embedding.scale, embedding.zero) if embedding.packed is not None else None
+    return Int4Linear(embedding.int4pack, embedding.sz, row_major=row_major, **kwargs)
+
+
