@@ -210,3 +210,51 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, json_pa
     click.echo(f"peak RSS of the process {out['peak_rss_mb']} MiB")
     if json_path:
         json_path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--model", "source", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The bf16 source checkpoint: enables the round-trip and end-to-end checks.")
+@click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Evaluation text (plain, or .jsonl with a 'text' field). Default: the held-out half of "
+                   "CPython's pydoc_data.topics.")
+@click.option("--ctx", default=512, show_default=True, type=click.IntRange(16, 100_000),
+              help="Window length for KLD/perplexity; the second half of each window is scored.")
+@click.option("--max-windows", default=16, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--greedy-tokens", default=32, show_default=True, type=click.IntRange(0, 10_000),
+              help="New tokens per greedy prompt; 0 skips the greedy comparison.")
+@click.option("--max-kld", type=click.FloatRange(min=0), help="Fail when the mean KLD exceeds this.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every number here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a PNG of per-tensor SNR (and the KLD distribution).")
+@click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads.")
+def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, json_path, plot_path, threads):
+    """Check a cpu_int4 checkpoint. Exit 0: every check passed; 1: a check failed; 2: bad usage."""
+    import json
+
+    import torch
+
+    from .verify_report import run_verify
+
+    if threads:
+        torch.set_num_threads(threads)
+    if max_kld is not None and source is None:
+        raise click.UsageError("--max-kld needs --model (the source to compare against)")
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'int4q[plot]'") from None
+    report = run_verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld,
+                        say=lambda m: click.echo(m, err=True))
+    for line in report["summary_lines"]:
+        click.echo(line)
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    if plot_path:
+        from .verify_report import plot_report
+
+        plot_report(report, plot_path)
+    click.echo("PASS" if report["ok"] else "FAIL")
+    sys.exit(0 if report["ok"] else 1)

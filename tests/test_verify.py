@@ -1,0 +1,114 @@
+"""verify must pass a good checkpoint and fail each kind of corruption, naming the tensor or key."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from quantizer.cli import main
+from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+
+TARGET = "model.layers.1.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def good(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("v") / "q"
+    out.mkdir()
+    run_quantization(plan_quantization(tiny_model, QuantizeOptions(group_size=64, max_shard_bytes=10**9)), out)
+    return out
+
+
+def verify(qdir, source=None, *extra):
+    args = ["verify", str(qdir)] + (["--model", str(source)] if source else []) + list(extra)
+    return CliRunner().invoke(main, args)
+
+
+def corrupt(good, tmp_path, edit):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    tensors = load_file(bad / "model.safetensors")
+    edit(tensors, bad)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+def test_good_tiny_checkpoint_passes(good, tiny_model):
+    result = verify(good, tiny_model)
+    assert result.exit_code == 0, result.output
+    assert "[ok] structure" in result.stdout and "[ok] round trip" in result.stdout
+    assert "[ok] kernel layout" in result.stdout and result.stdout.strip().endswith("PASS")
+
+
+def flip_packed_byte(t, _):
+    t[f"{TARGET}.weight_packed"][3, 7] ^= 0xFF
+
+
+def drop_tensor(t, _):
+    del t[f"{TARGET}.weight_zero"]
+
+
+def swap_nibbles(t, _):
+    p = t[f"{TARGET}.weight_packed"]
+    t[f"{TARGET}.weight_packed"] = ((p & 0x0F) << 4) | (p >> 4)
+
+
+def zero_scales(t, _):
+    t[f"{TARGET}.weight_scale"] = torch.zeros_like(t[f"{TARGET}.weight_scale"])
+
+
+def one_ulp(t, _):
+    w = t["model.layers.0.input_layernorm.weight"]
+    w.view(torch.int16)[5] += 1
+
+
+def wrong_group_size(t, bad):
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 32
+    (bad / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit,needs_source,message", [
+    (flip_packed_byte, True, f"{TARGET}: an element is"),
+    (drop_tensor, False, f"{TARGET}.weight_zero: missing"),
+    (wrong_group_size, False, "model.embed_tokens.weight_scale: shape [512, 2] does not match group_size 32"),
+    (swap_nibbles, True, f"{TARGET}: an element is"),
+    (zero_scales, True, f"{TARGET}: a group's grid misses"),
+    (one_ulp, True, "model.layers.0.input_layernorm.weight: differs from the source"),
+])
+def test_each_corruption_fails_naming_the_tensor(good, tiny_model, tmp_path, edit, needs_source, message):
+    bad = corrupt(good, tmp_path, edit)
+    result = verify(bad, tiny_model if needs_source else None)
+    assert result.exit_code == 1, result.output
+    assert message in result.stdout and result.stdout.strip().endswith("FAIL")
+
+
+def test_truncated_shard_fails_naming_the_file(good, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-1000])
+    result = verify(bad)
+    assert result.exit_code == 1 and "model.safetensors: truncated" in result.stdout
+
+
+def test_max_kld_without_source_is_bad_usage(good):
+    assert verify(good, None, "--max-kld", "0.1").exit_code == 2
+
+
+def test_smollm2_g64_passes_end_to_end_and_the_kld_gate_bites(smollm2_g64, smollm2_bf16, tmp_path):
+    report, plot = tmp_path / "report.json", tmp_path / "snr.png"
+    args = ["--ctx", "128", "--max-windows", "2", "--greedy-tokens", "8", "--json", str(report), "--plot", str(plot)]
+    result = verify(smollm2_g64, smollm2_bf16, *args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    fid = data["fidelity"]
+    assert 0 < fid["kld_mean"] < 1 and 0.5 < fid["top1_agreement"] <= 1 and fid["ppl_ratio"] > 0.9
+    assert fid["greedy_total"] == 8 and "pydoc_data.topics (eval half)" in fid["text"]
+    assert len(data["tensors"]) == 211 and plot.stat().st_size > 10_000
+    gated = verify(smollm2_g64, smollm2_bf16, "--ctx", "128", "--max-windows", "2", "--greedy-tokens", "0",
+                   "--max-kld", "0.001")
+    assert gated.exit_code == 1 and "exceeds --max-kld 0.001" in gated.stdout
