@@ -214,6 +214,18 @@ class ShardWriter:
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def proc_status_mb(key: str) -> float:
+    """A /proc/self/status field (RssAnon, VmHWM, VmRSS ...) in MiB; 0 where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def release_free_memory() -> None:
     """Return freed heap pages to the OS (glibc). Tensors of a few MB come from the heap, and
     without this a long stream of them fragments it so resident memory creeps up with model size."""
@@ -241,21 +253,30 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                 f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
 
 
+def partial_dir(out: Path) -> Path:
+    """Where the output is built before it is renamed into place (stable, so a run can resume)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.int4q-partial"
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed."""
+def atomic_output_dir(out: Path, overwrite: bool, keep_partial: bool = False) -> Iterator[Path]:
+    """Yield the partial folder; on success it replaces ``out``. On failure it is removed, or
+    kept (``keep_partial``) for a later run to resume from. An existing partial folder is reused
+    when ``keep_partial`` and cleared otherwise."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.int4q-partial-{os.getpid()}"
-    if tmp.exists():
+    tmp = partial_dir(out)
+    if tmp.exists() and not keep_partial:
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp.mkdir(exist_ok=True)
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep_partial:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
         old = out.parent / f".{out.name}.int4q-old-{os.getpid()}"

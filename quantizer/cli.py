@@ -54,14 +54,9 @@ def peak_rss_mb() -> float:
 
     VmHWM, not ru_maxrss: the latter survives exec and so counts a large parent's pages that a
     forked child briefly shared."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from .checkpoint import proc_status_mb
+
+    return proc_status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _group_size(value: str) -> int | None:
@@ -86,31 +81,64 @@ def _group_size(value: str) -> int | None:
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress on stderr.")
+@click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="[gptq] Calibration text (plain, or .jsonl with a 'text' field). Default: the calibration "
+                   "half of CPython's pydoc_data.topics (verify evaluates on the other half).")
+@click.option("--nsamples", default=128, show_default=True, type=click.IntRange(1, 100_000),
+              help="[gptq] Calibration windows.")
+@click.option("--seqlen", default=512, show_default=True, type=click.IntRange(8, 100_000),
+              help="[gptq] Tokens per calibration window.")
+@click.option("--act-order/--no-act-order", default=True, show_default=True,
+              help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
+@click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="[gptq] Dampening, as a fraction of the mean Hessian diagonal.")
+@click.option("--seed", default=0, show_default=True, type=int, help="[gptq] Seed for the calibration windows.")
+@click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
+@click.option("--format", "checkpoint_format", default="cpu_int4", show_default=True,
+              type=click.Choice(["cpu_int4", "gptq"]),
+              help="[gptq] cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
+                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
 def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedding, untie_head, ignore,
-             max_shard_size, overwrite, progress):
-    """Quantize a checkpoint to the cpu_int4 format, streaming one tensor at a time."""
+             max_shard_size, overwrite, progress, calib, nsamples, seqlen, act_order, damp, seed, resume,
+             checkpoint_format):
+    """Quantize a checkpoint to the cpu_int4 format, streaming one tensor (gptq: one layer) at a time."""
     from tqdm import tqdm
 
     from .checkpoint import atomic_output_dir, parse_size, resolve_model_dir
     from .pipeline import QuantizeOptions, plan_quantization, run_quantization
 
-    if method == "gptq":
-        raise click.UsageError("--method gptq is not available yet")
+    if method != "gptq" and (calib or resume or checkpoint_format != "cpu_int4"):
+        raise click.UsageError("--calib, --resume and --format apply to --method gptq only")
     if Path(out).exists() and not overwrite:
         raise click.UsageError(f"{out} already exists; pass --overwrite to replace it")
     options = QuantizeOptions(
         group_size=_group_size(group_size), symmetric=symmetric, clip_search=clip_search,
-        keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
+        keep_embedding=keep_embedding or checkpoint_format == "gptq", untie_head=untie_head or method == "gptq",
+        ignore=tuple(ignore),
         max_shard_bytes=parse_size(max_shard_size), method=method,
     )
     start = time.perf_counter()
-    plan = plan_quantization(resolve_model_dir(model), options)
-    bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,
-               file=sys.stderr)
-    with atomic_output_dir(out, overwrite) as tmp:
-        report = run_quantization(plan, tmp, progress=lambda name, nbytes: bar.update(nbytes))
-    bar.close()
+    model_dir = resolve_model_dir(model)
+    plan = plan_quantization(model_dir, options)
+    if method == "gptq":
+        from .gptq_pipeline import GptqOptions, run_gptq
+        from .runtime import load_tokenizer
+        from .textdata import load_text
+
+        text, origin = load_text(calib, "calib")
+        gptq_options = GptqOptions(nsamples=nsamples, seqlen=seqlen, act_order=act_order, damp=damp, seed=seed,
+                                   checkpoint_format=checkpoint_format)
+        tokenizer = load_tokenizer(model_dir)
+        say = (lambda m: click.echo(f"int4q: {m}", err=True)) if progress else None
+        with atomic_output_dir(out, overwrite, keep_partial=True) as tmp:
+            report = run_gptq(plan, tmp, tokenizer, text, origin, gptq_options, resume=resume, progress=say)
+    else:
+        bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,
+                   file=sys.stderr)
+        with atomic_output_dir(out, overwrite) as tmp:
+            report = run_quantization(plan, tmp, progress=lambda name, nbytes: bar.update(nbytes))
+        bar.close()
     s = report["summary"]
     click.echo(
         f"quantized {s['tensors_quantized']} tensors at group {plan.qconfig.group_size}: "
@@ -171,7 +199,8 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, json_pa
     import torch
 
     from .runtime import load_model
-    from .runtime.bench import load_measured, proc_status_mb, run_bench
+    from .checkpoint import proc_status_mb
+    from .runtime.bench import load_measured, run_bench
     from .runtime.loader import import_architecture
 
     if threads:

@@ -50,15 +50,27 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.to(torch.float32).reshape(n, k // group_size, group_size)
 
 
-def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group range [lo, hi] (fp32) -> (scale, zero) rounded to bf16."""
+def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
+                integer_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group range [lo, hi] (fp32) -> (scale, zero) as stored.
+
+    cpu_int4: both rounded to bf16. ``integer_zero`` (the GPTQ checkpoint format): scale rounded
+    to fp16 and ``zero = (8 - z) * scale`` for an integer zero point z in [1, 15] (GPTQ's v1
+    convention stores z - 1 in 4 bits), returned in fp32, where that product is exact.
+    """
     if symmetric:
         scale = torch.maximum(-lo / 8.0, hi / 7.0).clamp(min=0.0)
-        zero = torch.zeros_like(scale)
     else:
         scale = (hi - lo) / QMAX
-        zero = lo + 8.0 * scale
-    return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    if not integer_zero:
+        zero = torch.zeros_like(scale) if symmetric else lo + 8.0 * scale
+        return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    scale = scale.to(torch.float16).to(torch.float32)
+    if symmetric:
+        z = torch.full_like(scale, 8.0)
+    else:
+        z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
+    return scale, (8.0 - z) * scale
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

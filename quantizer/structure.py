@@ -44,17 +44,28 @@ def build_config(config_dict: dict):
         raise UnsupportedError(f"transformers cannot build model_type {model_type!r} ({e})") from None
 
 
-def build_meta_model(config_dict: dict) -> torch.nn.Module:
-    """The causal-LM module tree on the meta device."""
+def build_empty_model(config_dict: dict) -> torch.nn.Module:
+    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU."""
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     config = build_config(config_dict)
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except ValueError as e:
+            raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The name and ModuleList of the decoder layers: the list of num_hidden_layers blocks."""
+    count = model.config.get_text_config().num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return name, module
+    raise UnsupportedError(f"cannot find the {count} decoder layers of {type(model).__name__}")
 
 
 def tie_word_embeddings(config_dict: dict) -> bool:
@@ -63,7 +74,7 @@ def tie_word_embeddings(config_dict: dict) -> bool:
 
 
 def inspect_structure(config_dict: dict) -> ModelStructure:
-    model = build_meta_model(config_dict)
+    model = build_empty_model(config_dict)
     names = {id(m): n for n, m in model.named_modules()}
     linears = tuple(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
     emb = model.get_input_embeddings()

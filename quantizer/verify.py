@@ -21,7 +21,7 @@ from .packing import (
     to_int4pack,
     unpack_nibbles,
 )
-from .structure import inspect_structure, tie_word_embeddings
+from .structure import build_empty_model, inspect_structure, tie_word_embeddings
 
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 MAX_LISTED = 5
@@ -110,9 +110,7 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         if not tied and not head_tensors:
             result.fail(f"tie_word_embeddings is false but there is no {structure.head} tensor")
 
-    from .structure import build_meta_model
-
-    params = dict(build_meta_model(config).named_parameters())
+    params = dict(build_empty_model(config).named_parameters())
     quantized_set = set(quantized)
     for pname, p in params.items():
         module = pname.rpartition(".")[0]

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from quantizer.checkpoint import ShardWriter  # noqa: E402
-from quantizer.structure import build_meta_model  # noqa: E402
+from quantizer.structure import build_empty_model  # noqa: E402
 
 
 def synthetic_checkpoint(path: Path, target_gb: float) -> Path:
@@ -43,7 +43,7 @@ def synthetic_checkpoint(path: Path, target_gb: float) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     writer = ShardWriter(path, max_shard_bytes=1_000_000_000)
     gen = torch.Generator().manual_seed(0)
-    for name, p in build_meta_model(config).state_dict().items():
+    for name, p in build_empty_model(config).state_dict().items():
         writer.add(name, (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16))
     writer.finish()
     return path

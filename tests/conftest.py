@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+import quantizer  # noqa: F401  (first: it pins MKL to reproducible code paths before torch starts MKL)
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +35,34 @@ def tiny_model(tmp_path_factory) -> Path:
     """Tied tiny Llama in bf16, written as exactly two safetensors shards with an index."""
     path = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "bf16")
     assert len(list(path.glob("*.safetensors"))) == 2
+    return path
+
+
+def save_byte_tokenizer(path: Path):
+    """A byte-level tokenizer (256 ids, no merges): real text in, ids < 512 out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=sorted(alphabet)[0])
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory):
+    return save_byte_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_tok(tmp_path_factory) -> Path:
+    """The tiny tied Llama (two shards) with a byte-level tokenizer, for calibration runs."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("tinytok") / "bf16", max_position_embeddings=512)
+    save_byte_tokenizer(path)
     return path
 
 

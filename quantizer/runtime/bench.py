@@ -9,19 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import release_free_memory
-
-
-def proc_status_mb(key: str) -> float:
-    """A /proc/self/status field (RssAnon, VmHWM, VmRSS ...) in MiB; 0 where unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+from ..checkpoint import proc_status_mb, release_free_memory
 
 
 @dataclass

@@ -5,7 +5,6 @@ through the same path, so the two can be compared like against like."""
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from ..checkpoint import CheckpointReader, read_config, release_free_memory
 from ..config import QuantizationConfig
 from ..errors import InputError, UnsupportedError
-from ..structure import build_config, tie_word_embeddings
+from ..structure import build_empty_model, tie_word_embeddings
 from .modules import Int4Linear, quantize_embedding_module, tied_head
 
 log = logging.getLogger(__name__)
@@ -31,21 +30,6 @@ def read_quantization_config(config: dict) -> QuantizationConfig | None:
     return QuantizationConfig.from_dict(qc)
 
 
-def _empty_model(config_dict: dict) -> torch.nn.Module:
-    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    config = build_config(config_dict)
-    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        except ValueError as e:
-            raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
-    return model.eval()
-
-
 def _quantized_modules(reader: CheckpointReader) -> list[str]:
     return sorted(n.removesuffix(".weight_packed") for n in reader.infos if n.endswith(".weight_packed"))
 
@@ -61,7 +45,7 @@ def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
     config = read_config(path)
     qc = read_quantization_config(config)
     reader = CheckpointReader(path)
-    model = _empty_model(config)
+    model = build_empty_model(config)
     modules = dict(model.named_modules())
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -112,7 +96,7 @@ def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
 def import_architecture(path: Path) -> None:
     """Build (and drop) the empty architecture once, so that one-time imports and allocations
     are not charged to the first model whose memory is measured."""
-    _empty_model(read_config(Path(path)))
+    build_empty_model(read_config(Path(path)))
     release_free_memory()
 
 

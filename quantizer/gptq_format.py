@@ -1,0 +1,71 @@
+"""The GPTQ checkpoint format (v1, ``checkpoint_format: gptq``), read by vLLM's W4A8 CPU path
+and GPTQ loaders. Pure tensor functions.
+
+Per linear ``<name>`` with weight [N, K] and G = K / group groups:
+
+    qweight int32 [K / 8, N]  8 codes along K, code of row k = 8i + j at bits 4j of qweight[i]
+    qzeros  int32 [G, N / 8]  (zero point - 1) of channels n = 8i + j at bits 4j of qzeros[g, i]
+    scales  fp16  [G, N]
+    g_idx   int32 [K]         k // group (static groups: desc_act false)
+
+    w[n, k] = (q[n, k] - (stored zero + 1)) * scale[g, n]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .minmax import GroupQuantized
+
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+
+
+def pack_int32(values: torch.Tensor) -> torch.Tensor:
+    """[..., 8m] ints in 0..15 -> [..., m] int32, element j of each 8 at bits 4j (two's complement)."""
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, 8)
+    packed = (v << SHIFTS).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int32: [..., m] int32 -> [..., 8m] int64 in 0..15."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    return ((p.unsqueeze(-1) >> SHIFTS) & 0xF).reshape(*packed.shape[:-1], -1)
+
+
+def zero_points(gq: GroupQuantized) -> torch.Tensor:
+    """Integer zero points z [N, G] of a weight quantized with ``integer_zero``: zero = (8 - z) * scale."""
+    s, zf = gq.scale.to(torch.float32), gq.zero.to(torch.float32)
+    z = torch.where(s == 0, torch.full_like(s, 8.0), 8.0 - zf / torch.where(s == 0, 1.0, s))
+    zi = torch.round(z)
+    if not torch.equal(zi, z) or zi.min() < 1 or zi.max() > 15:
+        raise ValueError("zero points are not integers in [1, 15]; quantize with integer_zero=True")
+    return zi.to(torch.int64)
+
+
+def gptq_tensors(module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
+    """The four GPTQ-format tensors of one linear."""
+    k = gq.codes.shape[1]
+    group = gq.group_size
+    return {
+        f"{module}.qweight": pack_int32(gq.codes).t().contiguous(),
+        f"{module}.qzeros": pack_int32((zero_points(gq) - 1).t().contiguous()),
+        f"{module}.scales": gq.scale.t().contiguous().to(torch.float16),
+        f"{module}.g_idx": (torch.arange(k) // group).to(torch.int32),
+    }
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] fp32 that a GPTQ loader computes from the four tensors."""
+    codes = unpack_int32(qweight.t().contiguous()).t()  # [K, N]
+    zeros = unpack_int32(qzeros) + 1  # [G, N]
+    g = g_idx.long()
+    w = (codes - zeros[g]).to(torch.float32) * scales[g].to(torch.float32)
+    return w.t().contiguous()
+
+
+def gptq_quantization_config(group_size: int, symmetric: bool) -> dict:
+    return {
+        "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
+        "lm_head": True, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": None,
+    }

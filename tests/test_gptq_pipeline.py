@@ -1,0 +1,166 @@
+"""Layer-streamed GPTQ over a checkpoint: matches a whole-model GPTQ, resumes to identical bytes."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import quantizer.gptq_pipeline as gp
+from quantizer.calibration import calibration_windows
+from quantizer.checkpoint import CheckpointReader
+from quantizer.cli import main
+from quantizer.errors import InputError
+from quantizer.gptq import HessianAccumulator, gptq_quantize
+from quantizer.packing import unpack_nibbles
+from quantizer.pipeline import QuantizeOptions, plan_quantization
+from quantizer.textdata import builtin_text
+
+OPTIONS = gp.GptqOptions(nsamples=4, seqlen=64, seed=0)
+STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+
+
+def streamed(src, out, tokenizer, resume=False, options=OPTIONS, group=64):
+    out.mkdir(exist_ok=True)
+    plan = plan_quantization(src, QuantizeOptions(group_size=group, untie_head=True, method="gptq"))
+    return gp.run_gptq(plan, out, tokenizer, builtin_text("calib"), "calib", options, resume=resume)
+
+
+def whole_model_gptq(src, windows, group):
+    """Reference: the full model in memory; each step's inputs captured by running the *whole*
+    model on every window with the earlier linears already quantized."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    results = {}
+
+    def hessian_of(module):
+        acc = HessianAccumulator(module.in_features)
+        handle = module.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+        with torch.inference_mode():
+            for w in windows:
+                model(input_ids=w[None], use_cache=False)
+        handle.remove()
+        return acc.H
+
+    for i, layer in enumerate(model.model.layers):
+        for step in STEPS:
+            H = hessian_of(layer.get_submodule(step[0]))
+            for name in step:
+                linear = layer.get_submodule(name)
+                gq, _ = gptq_quantize(linear.weight.detach(), H, group)
+                results[f"model.layers.{i}.{name}"] = gq
+                linear.weight.data = gq.dequantize()
+    head = model.get_output_embeddings()
+    gq, _ = gptq_quantize(model.get_input_embeddings().weight.detach(), hessian_of(head), group)
+    results["lm_head"] = gq
+    return results
+
+
+def test_streamed_gptq_matches_whole_model_gptq(tiny_model_tok, byte_tokenizer, tmp_path):
+    report = streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer)
+    windows = calibration_windows(byte_tokenizer, builtin_text("calib"), OPTIONS.nsamples, OPTIONS.seqlen, 0)
+    reference = whole_model_gptq(tiny_model_tok, windows, 64)
+    out = CheckpointReader(tmp_path / "q")
+    assert set(reference) <= set(report["tensors"])
+    for module, gq in reference.items():
+        codes = unpack_nibbles(out.get(f"{module}.weight_packed"))
+        agree = (codes == gq.codes).float().mean().item()
+        assert agree > 0.99, (module, agree)
+        assert torch.allclose(out.get(f"{module}.weight_scale").float(), gq.scale.float(), rtol=0.02), module
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    qc = config["quantization_config"]
+    assert qc["method"] == "gptq" and qc["calibration"]["nsamples"] == 4
+    entry = report["tensors"]["model.layers.1.mlp.down_proj"]
+    assert entry["gptq_loss"] < entry["rtn_loss"]
+    assert report["tensors"]["model.embed_tokens"]["method"] == "minmax"
+
+
+def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
+    streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
+    real, calls = gp._materialize, []
+
+    def interrupt_at_second_layer(module, prefix, *a, **k):
+        calls.append(prefix)
+        if prefix.endswith("layers.1"):
+            raise KeyboardInterrupt
+        return real(module, prefix, *a, **k)
+
+    monkeypatch.setattr(gp, "_materialize", interrupt_at_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer)
+    monkeypatch.setattr(gp, "_materialize", real)
+    assert json.loads((tmp_path / "resumed" / gp.STATE_DIR / "state.json").read_text())["layers_done"] == 1
+    resumed_layers = []
+    streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, resume=True)
+    whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert whole == sorted(p.name for p in (tmp_path / "resumed").iterdir())
+    for name in whole:
+        a = (tmp_path / "whole" / name).read_bytes()
+        b = (tmp_path / "resumed" / name).read_bytes()
+        if name == "quantization_report.json":  # wall time differs; every number else must not
+            a, b = json.loads(a), json.loads(b)
+            a["summary"].pop("seconds"), b["summary"].pop("seconds")
+        assert a == b, name
+
+
+def test_resume_with_different_settings_is_refused(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
+    real = gp._materialize
+
+    def interrupt(module, prefix, *a, **k):
+        if prefix.endswith("layers.1"):
+            raise KeyboardInterrupt
+        return real(module, prefix, *a, **k)
+
+    monkeypatch.setattr(gp, "_materialize", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer)
+    monkeypatch.setattr(gp, "_materialize", real)
+    other = gp.GptqOptions(nsamples=4, seqlen=64, seed=0, damp=0.05)
+    with pytest.raises(InputError, match="different inputs or settings"):
+        streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer, resume=True, options=other)
+
+
+def test_cli_gptq_runs_and_verifies(tiny_model_tok, tmp_path):
+    out = tmp_path / "g"
+    runner = CliRunner()
+    result = runner.invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method", "gptq",
+                                  "--group-size", "32", "--sym", "--nsamples", "4", "--seqlen", "64", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "quantized 16 tensors" in result.stdout  # 14 linears, the table, the untied head
+    verified = runner.invoke(main, ["verify", str(out), "--model", str(tiny_model_tok), "--greedy-tokens", "0",
+                                    "--ctx", "64", "--max-windows", "2"])
+    assert verified.exit_code == 0, verified.output
+    assert "[ok] end to end" in verified.stdout
+
+
+def test_cli_gptq_with_empty_calibration_file_is_one_line(tiny_model_tok, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(tmp_path / "g"),
+                                       "--method", "gptq", "--calib", str(tmp_path / "empty.txt")])
+    assert result.exit_code == 1 and "empty.txt: no text" in result.stderr
+    assert not (tmp_path / "g").exists()
+
+
+def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
+    from quantizer.gptq_format import dequantize_gptq
+
+    out = tmp_path / "g"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
+                                       "gptq", "--format", "gptq", "--group-size", "64", "--nsamples", "4",
+                                       "--seqlen", "64", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and qc["desc_act"] is False and qc["lm_head"] is True
+    assert qc["checkpoint_format"] == "gptq" and qc["sym"] is False
+    reader, source = CheckpointReader(out), CheckpointReader(tiny_model_tok)
+    assert reader.infos["lm_head.qweight"].shape == (128 // 8, 512)
+    assert reader.infos["model.embed_tokens.weight"].dtype == torch.bfloat16
+    m = "model.layers.0.mlp.down_proj"
+    w = dequantize_gptq(*(reader.get(f"{m}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")))
+    assert w.shape == (128, 256)
+    snr = 10 * torch.log10(source.get(f"{m}.weight").float().pow(2).sum() / (w - source.get(f"{m}.weight").float()).pow(2).sum())
+    assert snr > 10
+    assert "cpu_int4 checkpoints, not quant_method 'gptq'" in CliRunner().invoke(main, ["bench", str(out)]).stderr
