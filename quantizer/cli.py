@@ -3,6 +3,7 @@ exit code. No quantization logic lives here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -120,7 +121,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     )
     start = time.perf_counter()
     model_dir = resolve_model_dir(model)
-    plan = plan_quantization(model_dir, options)
+    plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
     if method == "gptq":
         from .gptq_pipeline import GptqOptions, run_gptq
         from .runtime import load_tokenizer
@@ -287,3 +288,36 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
         plot_report(report, plot_path)
     click.echo("PASS" if report["ok"] else "FAIL")
     sys.exit(0 if report["ok"] else 1)
+
+
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--repo-id", required=True, help="namespace/name on the Hub.")
+@click.option("--private", is_flag=True, help="Create the repository as private.")
+@click.option("--revision", help="Branch to commit to (created if missing). Default: main.")
+@click.option("--commit-message", help="Commit title.")
+@click.option("--endpoint", envvar="HF_ENDPOINT", help="Hub URL (default: huggingface.co, or HF_ENDPOINT).")
+@click.option("--token", help="Access token (default: HF_TOKEN, then the token huggingface_hub stored).")
+@click.option("--dry-run", is_flag=True, help="List what would be uploaded, with sizes; contact nothing.")
+@click.option("--no-verify", is_flag=True, help="Skip verify's structural check before uploading.")
+def push(folder, repo_id, private, revision, commit_message, endpoint, token, dry_run, no_verify):
+    """Publish a quantized folder to the Hugging Face Hub in one commit, with a model card."""
+    from . import hub
+
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise click.BadParameter("expected namespace/name", param_hint="--repo-id")
+    if not no_verify:
+        hub.check_publishable(folder)
+    if dry_run:
+        files = hub.upload_files(folder)
+        if not (folder / hub.CARD_NAME).exists():
+            click.echo(f"{hub.CARD_NAME:<50} (generated model card)")
+        for f in files:
+            click.echo(f"{f.path:<50} {f.size:>14,} bytes")
+        click.echo(f"{len(files)} files, {sum(f.size for f in files):,} bytes -> {repo_id} (dry run: nothing sent)")
+        return
+    files = hub.upload_files(folder)
+    click.echo(f"int4q: pushing {len(files)} files ({sum(f.size for f in files) / 1e6:.1f} MB) to {repo_id}; "
+               "unchanged files are skipped", err=True)
+    url = hub.push(folder, repo_id, hub.resolve_token(token), endpoint, private, revision, commit_message)
+    click.echo(url)

@@ -227,7 +227,7 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
     if gptq_format:
         config["quantization_config"] = gptq_quantization_config(q.group_size, q.symmetric)
     write_json(out_dir / "config.json", config)
-    report = build_report(q, per_tensor, quantized_params, quantized_bytes, shards, reader.total_bytes)
+    report = build_report(plan, per_tensor, quantized_params, quantized_bytes, shards)
     report["summary"]["seconds"] = round(time.perf_counter() - start, 3)
     report["summary"]["damping_retries"] = sum(e.get("damp_retries", 0) for e in per_tensor.values())
     write_json(out_dir / REPORT_NAME, report)

@@ -61,6 +61,7 @@ class QuantizationPlan:
     options: QuantizeOptions
     dropped: frozenset[str] = field(default_factory=frozenset)
     tied_output: bool = False
+    source_name: str | None = None  # what the user named (a Hub id or a path), for the model card
 
     def output_config(self) -> dict:
         cfg = copy.deepcopy(self.source_config)
@@ -221,7 +222,7 @@ def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn
     shards = writer.finish()
     copy_aux_files(plan.model_dir, out_dir)
     write_json(out_dir / "config.json", plan.output_config())
-    report = build_report(plan.qconfig, per_tensor, quantized_params, quantized_bytes, shards, plan.reader.total_bytes)
+    report = build_report(plan, per_tensor, quantized_params, quantized_bytes, shards)
     report["summary"]["seconds"] = round(time.perf_counter() - start, 3)
     write_json(out_dir / REPORT_NAME, report)
     return report
@@ -247,11 +248,13 @@ def quantize_rtn(weight: torch.Tensor, q: QuantizationConfig) -> tuple[dict[str,
     return {k: torch.cat(v) for k, v in parts.items()}, stats
 
 
-def build_report(qconfig, per_tensor, quantized_params, quantized_bytes, shards, source_bytes) -> dict:
+def build_report(plan: QuantizationPlan, per_tensor, quantized_params, quantized_bytes, shards) -> dict:
     """The quantization_report.json content (an exact tensor's SNR is null)."""
+    qconfig, source_bytes = plan.qconfig, plan.reader.total_bytes
     snrs = [s["snr_db"] for s in per_tensor.values() if s["snr_db"] is not None]
     output_bytes = sum(p.stat().st_size for p in shards)
     return {
+        "source_model": plan.source_name or str(plan.model_dir),
         "quantization_config": qconfig.to_dict(),
         "summary": {
             "tensors_quantized": len(per_tensor),

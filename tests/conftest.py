@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# The test Hub server cannot speak Xet; huggingface_hub reads this when it is imported.
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+
 import quantizer  # noqa: F401  (first: it pins MKL to reproducible code paths before torch starts MKL)
 import torch
 
@@ -89,6 +92,12 @@ def smollm2_g64(smollm2_bf16, tmp_path_factory) -> Path:
     return out
 
 
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+@pytest.fixture(scope="session")
+def tiny_q(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model quantized at group 64 (single shard)."""
+    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+
+    out = tmp_path_factory.mktemp("tinyq") / "q"
+    out.mkdir()
+    run_quantization(plan_quantization(tiny_model, QuantizeOptions(group_size=64)), out)
+    return out

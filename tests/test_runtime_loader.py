@@ -58,11 +58,6 @@ def _with_qconfig(src, dst, **changes):
     return dst
 
 
-@pytest.fixture(scope="module")
-def tiny_q(tiny_model, tmp_path_factory):
-    return quantize_to(tiny_model, tmp_path_factory.mktemp("q") / "q", group_size=64)
-
-
 @pytest.mark.parametrize("changes,error", [
     ({"quant_method": "awq"}, "cpu_int4 checkpoints, not quant_method 'awq'"),
     ({"group_size": 48}, "group_size 48 is not one of"),

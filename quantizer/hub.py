@@ -1,0 +1,172 @@
+"""Publish a quantized folder to the Hugging Face Hub (or any server speaking its API), with a
+generated model card. The token is passed to huggingface_hub and never printed or written."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError, Int4qError
+
+log = logging.getLogger(__name__)
+CARD_NAME = "README.md"
+RETRIES = 3  # attempts for a push that fails on a connection error or a 5xx
+
+
+class PushError(Int4qError):
+    """The server refused or could not be reached."""
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    path: str  # relative, POSIX
+    size: int
+
+
+def upload_files(folder: Path) -> list[UploadFile]:
+    """What a push sends: every file under ``folder`` except hidden ones (partial runs, caches)."""
+    files = []
+    for p in sorted(Path(folder).rglob("*")):
+        rel = p.relative_to(folder)
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+            files.append(UploadFile(rel.as_posix(), p.stat().st_size))
+    return files
+
+
+def check_publishable(folder: Path) -> None:
+    """Raise InputError unless verify's structural check passes (GPTQ-format exports: their
+    shards must be readable)."""
+    from .checkpoint import CheckpointReader, read_config
+    from .verify import check_structure
+
+    qc = read_config(folder).get("quantization_config") or {}
+    if qc.get("quant_method") == "gptq":
+        CheckpointReader(folder)
+        return
+    result, _ = check_structure(folder)
+    if not result.ok:
+        more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
+        raise InputError(f"{folder} fails verify's structural check: {result.problems[0]}{more}; "
+                         "fix it or pass --no-verify")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def model_card(folder: Path, repo_id: str) -> str:
+    """README.md text: YAML front matter, what was done, bits per weight, verify numbers when a
+    verify_report.json is present, and how to run it."""
+    folder = Path(folder)
+    config = _read_json(folder / "config.json") or {}
+    qc = config.get("quantization_config") or {}
+    report = _read_json(folder / "quantization_report.json") or {}
+    verify = _read_json(folder / "verify_report.json") or {}
+    summary = report.get("summary", {})
+    gptq_format = qc.get("quant_method") == "gptq"
+    method = "gptq" if gptq_format else qc.get("method", "minmax")
+    symmetric = qc.get("sym") if gptq_format else qc.get("symmetric")
+    base = report.get("source_model")
+    tags = ["4-bit", "int4q", "gptq" if gptq_format else "cpu_int4"] + (["gptq"] if method == "gptq" and not gptq_format else [])
+    front = ["---"]
+    if base and "/" in base and not Path(base).exists():
+        front.append(f"base_model: {base}")
+    front += ["library_name: int4q", "pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---"]
+    calib = qc.get("calibration") or (report.get("quantization_config") or {}).get("calibration") or {}
+    lines = [
+        *front, "", f"# {repo_id.split('/')[-1]}", "",
+        f"A 4-bit group-wise quantization{f' of `{base}`' if base else ''}, made with int4q.", "",
+        "| | |", "| --- | --- |",
+        f"| format | {'GPTQ v1 (qweight/qzeros/scales/g_idx)' if gptq_format else 'cpu_int4 (uint8 nibbles, bf16 scale and zero per group)'} |",
+        f"| method | {'GPTQ' if method == 'gptq' else 'round-to-nearest on the min/max grid'} |",
+        f"| group size | {qc.get('group_size')} |",
+        f"| grid | {'symmetric' if symmetric else 'asymmetric'} |",
+    ]
+    if summary.get("bits_per_weight"):
+        lines.append(f"| bits per weight (quantized tensors) | {summary['bits_per_weight']} |")
+    if calib:
+        lines.append(f"| calibration | {calib.get('nsamples')} x {calib.get('seqlen')} tokens of {calib.get('text')} |")
+    fid = verify.get("fidelity")
+    if fid:
+        lines += ["", "## Fidelity (`int4q verify`)", "",
+                  f"Against the source on {fid['tokens_scored']} tokens of {fid['text']} (context {fid['ctx']}):", "",
+                  "| KLD mean | KLD p99.9 | top-1 agreement | perplexity ratio | greedy exact match |",
+                  "| --- | --- | --- | --- | --- |",
+                  f"| {fid['kld_mean']:.4f} | {fid['kld_p999']:.4f} | {100 * fid['top1_agreement']:.2f}% | "
+                  f"{fid['ppl_ratio']:.4f} | {fid['greedy_matches']}/{fid['greedy_total']} |"]
+    if not gptq_format:
+        lines += ["", "## Run it", "", "```bash", "pip install int4q",
+                  f"huggingface-cli download {repo_id} --local-dir model",
+                  "int4q generate model --chat --prompt \"Hello!\"", "```", "", "```python",
+                  "from quantizer.runtime import load_model, load_tokenizer",
+                  "model, tokenizer = load_model(\"model\"), load_tokenizer(\"model\")", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _describe(e: Exception) -> str:
+    response = getattr(e, "response", None)
+    status = getattr(response, "status_code", None)
+    if status == 401:
+        return "the server refused the token (401 Unauthorized); check --token or HF_TOKEN"
+    if status == 403:
+        return "the token may not write to this repository (403 Forbidden)"
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"{first}" if status is None else f"HTTP {status}: {first}"
+
+
+def _transient(e: Exception) -> bool:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status is not None:
+        return status >= 500 or status == 429
+    return isinstance(e, (OSError, ConnectionError)) or type(e).__module__.startswith(("httpx", "httpcore"))
+
+
+def push(folder: Path, repo_id: str, token: str | None, endpoint: str | None, private: bool,
+         revision: str | None, commit_message: str | None) -> str:
+    """Create the repository (existing is fine), write a model card if there is none, and upload
+    the folder in one commit. Returns the commit URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import disable_progress_bars
+
+    # Its bars end without a newline when an upload fails, so the error would share their line.
+    disable_progress_bars()
+    folder = Path(folder)
+    card = folder / CARD_NAME
+    if not card.exists():
+        card.write_text(model_card(folder, repo_id))
+    api = HfApi(endpoint=endpoint, token=token)
+    last: Exception | None = None
+    for attempt in range(1, RETRIES + 1):
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            if revision:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                     commit_message=commit_message or "Upload int4q checkpoint",
+                                     ignore_patterns=[".*", "**/.*"])
+            return info.commit_url
+        except Exception as e:  # huggingface_hub raises its own and httpx's types
+            last = e
+            if not _transient(e) or attempt == RETRIES:
+                break
+            log.warning("push attempt %d failed (%s); retrying", attempt, _describe(e))
+            time.sleep(2 ** (attempt - 1))
+    raise PushError(f"push to {repo_id} failed: {_describe(last)}")
+
+
+def resolve_token(token: str | None) -> str | None:
+    """--token, else HF_TOKEN, else the token huggingface_hub has stored."""
+    if token:
+        return token
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    from huggingface_hub import get_token
+
+    return get_token()

@@ -1,0 +1,136 @@
+"""int4q push against a real Hub-compatible HTTP server on 127.0.0.1 (tests/hub_server.py)."""
+
+import hashlib
+import shutil
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from huggingface_hub import hf_hub_download
+
+from hub_server import HubServer
+from quantizer.cli import main
+
+TOKEN, OTHER = "hf_alice_secret_token", "hf_bob_token"
+
+
+@pytest.fixture
+def hub():
+    server = HubServer({TOKEN: "alice", OTHER: "bob"}).start()
+    yield server
+    try:
+        server.stop()
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def folder(tiny_q, tmp_path):
+    return shutil.copytree(tiny_q, tmp_path / "model")
+
+
+def push(folder, hub_url, *extra, token=TOKEN):
+    args = ["push", str(folder), "--endpoint", hub_url] + (["--token", token] if token else []) + list(extra)
+    return CliRunner().invoke(main, args)
+
+
+def sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def download(hub, repo, name, tmp_path, token=TOKEN, revision=None):
+    from pathlib import Path
+
+    return Path(hf_hub_download(repo, name, endpoint=hub.url, token=token or False, revision=revision,
+                                cache_dir=tmp_path / "cache"))
+
+
+def test_push_uploads_every_file_with_the_same_bytes_and_a_model_card(hub, folder, tmp_path):
+    result = push(folder, hub.url, "--repo-id", "alice/tiny-int4")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().startswith(f"{hub.url}/alice/tiny-int4/commit/")
+    assert TOKEN not in result.output
+    assert hub.state.lfs_puts  # the safetensors went through LFS
+    for path in sorted(folder.iterdir()):
+        assert sha(download(hub, "alice/tiny-int4", path.name, tmp_path)) == sha(path), path.name
+    card = download(hub, "alice/tiny-int4", "README.md", tmp_path).read_text()
+    assert TOKEN not in card
+    _, front, body = card.split("---", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "int4q" and meta["pipeline_tag"] == "text-generation"
+    assert {"4-bit", "cpu_int4"} <= set(meta["tags"])
+    assert "| group size | 64 |" in body and "bits per weight" in body
+
+
+def test_private_repo_is_unreadable_without_the_token(hub, folder, tmp_path):
+    assert push(folder, hub.url, "--repo-id", "alice/secret", "--private").exit_code == 0
+    with pytest.raises(Exception) as err:
+        download(hub, "alice/secret", "config.json", tmp_path / "anon", token=None)
+    assert "401" in str(err.value) or "not found" in str(err.value).lower()
+    with pytest.raises(Exception):
+        download(hub, "alice/secret", "config.json", tmp_path / "bob", token=OTHER)
+    assert download(hub, "alice/secret", "config.json", tmp_path).read_bytes() == (folder / "config.json").read_bytes()
+
+
+def test_wrong_token_is_refused_with_a_clear_message(hub, folder):
+    result = push(folder, hub.url, "--repo-id", "alice/x", token="hf_wrong")
+    assert result.exit_code == 1
+    assert "refused the token (401 Unauthorized)" in result.stderr and "Traceback" not in result.stderr
+    assert "hf_wrong" not in result.output
+
+
+def test_second_push_replaces_a_changed_file_and_resends_nothing_else(hub, folder, tmp_path):
+    assert push(folder, hub.url, "--repo-id", "alice/m").exit_code == 0
+    puts = len(hub.state.lfs_puts)
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 7}\n')
+    result = push(folder, hub.url, "--repo-id", "alice/m", "--commit-message", "tweak")
+    assert result.exit_code == 0, result.output
+    assert len(hub.state.lfs_puts) == puts  # the unchanged safetensors was not uploaded again
+    sent = [line["value"]["path"] for line in hub.state.commit_payloads[-1] if line["key"] != "header"]
+    assert sent == ["generation_config.json"]
+    assert len(hub.state.repos["alice/m"].commits) == 3  # empty, first push, second push
+    got = download(hub, "alice/m", "generation_config.json", tmp_path / "c2").read_text()
+    assert "7" in got
+    assert sha(download(hub, "alice/m", "model.safetensors", tmp_path / "c2")) == sha(folder / "model.safetensors")
+
+
+def test_server_stopping_mid_upload_is_a_clear_error(hub, folder, monkeypatch):
+    import quantizer.hub as hubmod
+
+    monkeypatch.setattr(hubmod, "RETRIES", 2)
+    monkeypatch.setattr(hubmod.time, "sleep", lambda s: None)
+    hub.state.stop_on_lfs_put = True
+    result = push(folder, hub.url, "--repo-id", "alice/down")
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and "push to alice/down failed: Error while uploading 'model.safetensors'" in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_transient_server_errors_are_retried(hub, folder, monkeypatch):
+    import quantizer.hub as hubmod
+
+    monkeypatch.setattr(hubmod.time, "sleep", lambda s: None)
+    hub.state.fail_next_commits = 2
+    result = push(folder, hub.url, "--repo-id", "alice/flaky")
+    assert result.exit_code == 0, result.output
+    assert hub.state.fail_next_commits == 0 and len(hub.state.repos["alice/flaky"].commits) == 2
+
+
+def test_dry_run_lists_files_and_contacts_nothing(folder):
+    result = push(folder, "http://127.0.0.1:9", "--repo-id", "alice/dry", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "model.safetensors" in result.stdout and "(generated model card)" in result.stdout
+    assert "dry run: nothing sent" in result.stdout
+    assert not (folder / "README.md").exists()
+
+
+def test_a_folder_failing_verify_is_not_pushed(hub, folder):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(tensors, folder / "model.safetensors")
+    result = push(folder, hub.url, "--repo-id", "alice/broken")
+    assert result.exit_code == 1 and "fails verify's structural check" in result.stderr
+    assert "alice/broken" not in hub.state.repos
