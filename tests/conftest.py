@@ -81,23 +81,22 @@ def smollm2_bf16() -> Path:
     return path
 
 
+def quantize_to(src: Path, out: Path, **options) -> Path:
+    """Round-to-nearest ``src`` into the new folder ``out`` with QuantizeOptions(**options)."""
+    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+
+    out.mkdir()
+    run_quantization(plan_quantization(src, QuantizeOptions(**options)), out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_g64(smollm2_bf16, tmp_path_factory) -> Path:
     """SmolLM2-135M quantized by round-to-nearest at group 64 (the fidelity-relevant size)."""
-    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
-
-    out = tmp_path_factory.mktemp("smol") / "g64"
-    out.mkdir()
-    run_quantization(plan_quantization(smollm2_bf16, QuantizeOptions(group_size=64)), out)
-    return out
+    return quantize_to(smollm2_bf16, tmp_path_factory.mktemp("smol") / "g64", group_size=64)
 
 
 @pytest.fixture(scope="session")
 def tiny_q(tiny_model, tmp_path_factory) -> Path:
     """The tiny model quantized at group 64 (single shard)."""
-    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
-
-    out = tmp_path_factory.mktemp("tinyq") / "q"
-    out.mkdir()
-    run_quantization(plan_quantization(tiny_model, QuantizeOptions(group_size=64)), out)
-    return out
+    return quantize_to(tiny_model, tmp_path_factory.mktemp("tinyq") / "q", group_size=64)

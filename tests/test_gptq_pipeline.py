@@ -91,22 +91,25 @@ def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, 
     assert report["tensors"]["model.embed_tokens"]["method"] == "minmax"
 
 
-def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
-    streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
-    real, calls = gp._materialize, []
+def interrupted_run(src, out, tokenizer, monkeypatch):
+    """A run interrupted (KeyboardInterrupt) as the second decoder layer is loaded."""
+    real = gp._materialize
 
     def interrupt_at_second_layer(module, prefix, *a, **k):
-        calls.append(prefix)
         if prefix.endswith("layers.1"):
             raise KeyboardInterrupt
         return real(module, prefix, *a, **k)
 
     monkeypatch.setattr(gp, "_materialize", interrupt_at_second_layer)
     with pytest.raises(KeyboardInterrupt):
-        streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer)
+        streamed(src, out, tokenizer)
     monkeypatch.setattr(gp, "_materialize", real)
+
+
+def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
+    streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
+    interrupted_run(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, monkeypatch)
     assert json.loads((tmp_path / "resumed" / gp.STATE_DIR / "state.json").read_text())["layers_done"] == 1
-    resumed_layers = []
     streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, resume=True)
     whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert whole == sorted(p.name for p in (tmp_path / "resumed").iterdir())
@@ -120,17 +123,7 @@ def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byt
 
 
 def test_resume_with_different_settings_is_refused(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
-    real = gp._materialize
-
-    def interrupt(module, prefix, *a, **k):
-        if prefix.endswith("layers.1"):
-            raise KeyboardInterrupt
-        return real(module, prefix, *a, **k)
-
-    monkeypatch.setattr(gp, "_materialize", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer)
-    monkeypatch.setattr(gp, "_materialize", real)
+    interrupted_run(tiny_model_tok, tmp_path / "q", byte_tokenizer, monkeypatch)
     other = gp.GptqOptions(nsamples=4, seqlen=64, seed=0, damp=0.05)
     with pytest.raises(InputError, match="different inputs or settings"):
         streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer, resume=True, options=other)

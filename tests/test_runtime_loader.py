@@ -7,16 +7,11 @@ from click.testing import CliRunner
 
 from quantizer.cli import main
 from quantizer.errors import InputError, UnsupportedError
-from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
 from quantizer.runtime import load_model, load_tokenizer
 from quantizer.runtime.generation import encode_prompt, greedy_ids
 from quantizer.runtime.modules import Int4Linear, Int4Lookup, dequantize_modules
 
-
-def quantize_to(src, out, **options):
-    out.mkdir()
-    run_quantization(plan_quantization(src, QuantizeOptions(**options)), out)
-    return out
+from conftest import quantize_to
 
 
 def logits(model, ids):

@@ -9,17 +9,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from quantizer.cli import main
-from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
 
 TARGET = "model.layers.1.mlp.down_proj"
 
 
-@pytest.fixture(scope="module")
-def good(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("v") / "q"
-    out.mkdir()
-    run_quantization(plan_quantization(tiny_model, QuantizeOptions(group_size=64, max_shard_bytes=10**9)), out)
-    return out
+@pytest.fixture
+def good(tiny_q):
+    return tiny_q
 
 
 def verify(qdir, source=None, *extra):
