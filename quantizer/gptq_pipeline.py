@@ -190,10 +190,9 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
         layer_file = state_dir / f"layer-{i:05d}.safetensors"
         for name, t in _read_safetensors(layer_file).items():
             writer.add(name, t)
-    head_modules = [m for m in (head_name,) if m in plan.targets]
-    if head_modules:
+    if head_name in plan.targets:
         say("quantizing the head on the final hidden states")
-        H = _head_hessian(model, layers, reader, plan, hidden, windows, as_tuple, head_name, emb_name)
+        H = _head_hessian(model, layers, reader, hidden, windows, as_tuple, head_name)
         W = reader.get(plan.targets[head_name])
         gq, stats = _quantize_linear(W, H, q, options)
         per_tensor[head_name] = {"source": plan.targets[head_name], "shape": list(W.shape), **stats}
@@ -318,7 +317,7 @@ def _tensors_of(module: str, gq: GroupQuantized, options: GptqOptions) -> dict[s
             f"{module}.weight_zero": gq.zero}
 
 
-def _head_hessian(model, layers, reader, plan, hidden, windows, as_tuple, head_name, emb_name) -> torch.Tensor:
+def _head_hessian(model, layers, reader, hidden, windows, as_tuple, head_name) -> torch.Tensor:
     """H of the head's inputs (the final norm's outputs), through the model's own code: the
     decoder layers are replaced by a replay of the final hidden states."""
     replay = _Replay(hidden, as_tuple)

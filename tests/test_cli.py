@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from click.testing import CliRunner
 
 from quantizer.cli import main

@@ -11,7 +11,7 @@ from quantizer.calibration import calibration_windows
 from quantizer.checkpoint import CheckpointReader
 from quantizer.cli import main
 from quantizer.errors import InputError
-from quantizer.gptq import HessianAccumulator, gptq_quantize
+from quantizer.gptq import HessianAccumulator
 from quantizer.packing import unpack_nibbles
 from quantizer.pipeline import QuantizeOptions, plan_quantization
 from quantizer.textdata import builtin_text

@@ -134,3 +134,11 @@ def test_a_folder_failing_verify_is_not_pushed(hub, folder):
     result = push(folder, hub.url, "--repo-id", "alice/broken")
     assert result.exit_code == 1 and "fails verify's structural check" in result.stderr
     assert "alice/broken" not in hub.state.repos
+
+
+def test_push_real_smollm2_checkpoint(hub, smollm2_g64, tmp_path):
+    folder = shutil.copytree(smollm2_g64, tmp_path / "smol")
+    result = push(folder, hub.url, "--repo-id", "alice/smollm2-int4-g64")
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert sha(download(hub, "alice/smollm2-int4-g64", name, tmp_path)) == sha(folder / name)

@@ -5,7 +5,6 @@ import torch
 
 import quantizer.runtime.modules as modules
 from quantizer.minmax import quantize_groupwise
-from quantizer.packing import dequantize_codes
 from quantizer.runtime.modules import Int4Linear, dequantize_modules, quantize_embedding_module, tied_head
 
 
