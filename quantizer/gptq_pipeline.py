@@ -99,9 +99,10 @@ def fingerprint(plan: QuantizationPlan, options: GptqOptions, windows: torch.Ten
 
 
 def _steps(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: set[str]) -> list[list[str]]:
-    """The layer's quantized linears in call order, grouped into steps of linears sharing one input."""
-    calls: list[tuple[str, int]] = []
-    hooks = [m.register_forward_pre_hook(lambda m, a, n=name: calls.append((n, a[0].data_ptr())))
+    """The layer's quantized linears in call order, grouped into steps of linears that receive
+    the very same input tensor (identity, not address: a freed input's address can be reused)."""
+    calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps them alive and distinct
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=name: calls.append((n, a[0])))
              for name, m in layer.named_modules() if name in wanted]
     try:
         with torch.inference_mode():
@@ -110,13 +111,13 @@ def _steps(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: set[st
         for hk in hooks:
             hk.remove()
     steps: list[list[str]] = []
-    last_ptr = None
-    for name, ptr in calls:
-        if steps and ptr == last_ptr and name not in steps[-1]:
+    last_input = None
+    for name, inp in calls:
+        if steps and inp is last_input and name not in steps[-1]:
             steps[-1].append(name)
         elif not any(name in s for s in steps):
             steps.append([name])
-        last_ptr = ptr
+        last_input = inp
     return steps
 
 

@@ -170,3 +170,18 @@ def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
     snr = 10 * torch.log10(source.get(f"{m}.weight").float().pow(2).sum() / (w - source.get(f"{m}.weight").float()).pow(2).sum())
     assert snr > 10
     assert "cpu_int4 checkpoints, not quant_method 'gptq'" in CliRunner().invoke(main, ["bench", str(out)]).stderr
+
+
+def test_steps_group_linears_by_shared_input_in_call_order(tiny_model_tok, monkeypatch):
+    from quantizer.structure import build_empty_model
+
+    config = json.loads((tiny_model_tok / "config.json").read_text())
+    model = build_empty_model(config).float()
+    layer = model.model.layers[0]
+    gp._materialize(layer, "model.layers.0", CheckpointReader(tiny_model_tok))
+    windows = torch.randint(0, 256, (1, 16))
+    gp._materialize(model.get_input_embeddings(), "model.embed_tokens", CheckpointReader(tiny_model_tok))
+    hidden, kwargs = gp._capture_inputs(model, model.model.layers, windows, all_samples=True)
+    wanted = {n for step in STEPS for n in step}
+    for _ in range(5):  # the allocator must not be able to make two inputs look alike
+        assert gp._steps(layer, hidden[:1], kwargs, wanted) == STEPS
