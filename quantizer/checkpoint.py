@@ -260,16 +260,16 @@ def partial_dir(out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, overwrite: bool, keep_partial: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: Path, overwrite: bool, keep_partial: bool = False, resume: bool = False) -> Iterator[Path]:
     """Yield the partial folder; on success it replaces ``out``. On failure it is removed, or
     kept (``keep_partial``) for a later run to resume from. An existing partial folder is reused
-    when ``keep_partial`` and cleared otherwise."""
+    when ``resume`` and cleared otherwise."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_dir(out)
-    if tmp.exists() and not keep_partial:
+    if tmp.exists() and not resume:
         shutil.rmtree(tmp)
     tmp.mkdir(exist_ok=True)
     try:

@@ -132,7 +132,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
                                    checkpoint_format=checkpoint_format)
         tokenizer = load_tokenizer(model_dir)
         say = (lambda m: click.echo(f"int4q: {m}", err=True)) if progress else None
-        with atomic_output_dir(out, overwrite, keep_partial=True) as tmp:
+        with atomic_output_dir(out, overwrite, keep_partial=True, resume=resume) as tmp:
             report = run_gptq(plan, tmp, tokenizer, text, origin, gptq_options, resume=resume, progress=say)
     else:
         bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,

@@ -138,3 +138,21 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects_garbage():
     with pytest.raises(InputError):
         parse_size("lots")
+
+
+def test_partial_folder_is_kept_for_resume_and_cleared_otherwise(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output_dir(out, overwrite=False, keep_partial=True) as tmp:
+            (tmp / "progress").write_text("layer 3")
+            raise KeyboardInterrupt
+    assert not out.exists() and (tmp / "progress").is_file()
+    with atomic_output_dir(out, overwrite=False, keep_partial=True, resume=True) as again:
+        assert again == tmp and (again / "progress").read_text() == "layer 3"
+    assert (out / "progress").is_file()
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output_dir(tmp_path / "b", overwrite=False, keep_partial=True) as tmp2:
+            (tmp2 / "stale").write_text("x")
+            raise KeyboardInterrupt
+    with atomic_output_dir(tmp_path / "b", overwrite=False, keep_partial=True) as fresh:
+        assert not (fresh / "stale").exists()
