@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 from .errors import InputError
+from .packing import QUANT_SUFFIXES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -129,6 +130,16 @@ class CheckpointReader:
         if not buf:
             return torch.empty(info.shape, dtype=info.dtype)
         return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+
+
+def read_quantized(reader: "CheckpointReader", module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed, scale, zero) of a quantized module; InputError naming the first one missing."""
+    names = [f"{module}.{s}" for s in QUANT_SUFFIXES]
+    missing = [n for n in names if n not in reader.infos]
+    if missing:
+        raise InputError(f"{missing[0]}: missing")
+    packed, scale, zero = (reader.get(n) for n in names)
+    return packed, scale, zero
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -314,8 +314,7 @@ def _quantize_linear(W: torch.Tensor, H: torch.Tensor, q, options: GptqOptions) 
 def _tensors_of(module: str, gq: GroupQuantized, options: GptqOptions) -> dict[str, torch.Tensor]:
     if options.checkpoint_format == "gptq":
         return gptq_tensors(module, gq)
-    return {f"{module}.weight_packed": gq.packed(), f"{module}.weight_scale": gq.scale,
-            f"{module}.weight_zero": gq.zero}
+    return {f"{module}.{suffix}": t for suffix, t in gq.checkpoint_tensors().items()}
 
 
 def _head_hessian(model, layers, reader, hidden, windows, as_tuple, head_name) -> torch.Tensor:

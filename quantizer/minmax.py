@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import dequantize_codes, pack_nibbles
+from .packing import QUANT_SUFFIXES, dequantize_codes, pack_nibbles
 
 QMAX = 15
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
@@ -41,6 +41,10 @@ class GroupQuantized:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_codes(self.codes, self.scale, self.zero, dtype)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The cpu_int4 tensors by suffix (``weight_packed``, ``weight_scale``, ``weight_zero``)."""
+        return dict(zip(QUANT_SUFFIXES, (self.packed(), self.scale, self.zero)))
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -19,6 +19,9 @@ import functools
 
 import torch
 
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
+"""The checkpoint tensors of one quantized module ``<name>``: ``<name>.<suffix>``."""
+
 PACK_N_ALIGN = 16
 """The tinygemm packer needs N to be a multiple of this."""
 

@@ -19,7 +19,7 @@ from .checkpoint import CheckpointReader, ShardWriter, TensorInfo, copy_aux_file
 from .config import GROUP_SIZES, QuantizationConfig, matches_ignore
 from .errors import InputError
 from .minmax import ErrorStats, quantize_groupwise
-from .packing import PACK_N_ALIGN
+from .packing import PACK_N_ALIGN, QUANT_SUFFIXES
 from .structure import ModelStructure, inspect_structure
 
 log = logging.getLogger(__name__)
@@ -238,13 +238,12 @@ def quantize_rtn(weight: torch.Tensor, q: QuantizationConfig) -> tuple[dict[str,
     ``weight_zero``) and the error statistics against ``weight``.
     """
     stats = ErrorStats()
-    parts: dict[str, list[torch.Tensor]] = {"weight_packed": [], "weight_scale": [], "weight_zero": []}
+    parts: dict[str, list[torch.Tensor]] = {s: [] for s in QUANT_SUFFIXES}
     for rows in weight.split(ROW_CHUNK):
         gq = quantize_groupwise(rows, q.group_size, symmetric=q.symmetric, clip_search=q.clip_search)
         stats.add(rows, gq.dequantize())
-        parts["weight_packed"].append(gq.packed())
-        parts["weight_scale"].append(gq.scale)
-        parts["weight_zero"].append(gq.zero)
+        for suffix, t in gq.checkpoint_tensors().items():
+            parts[suffix].append(t)
     return {k: torch.cat(v) for k, v in parts.items()}, stats
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX_NAME, CheckpointReader, read_config
+from .checkpoint import INDEX_NAME, CheckpointReader, read_config, read_quantized
 from .config import QuantizationConfig
 from .errors import Int4qError
 from .minmax import CLIP_SHRINKS, ErrorStats
 from .packing import (
+    QUANT_SUFFIXES,
     dequantize_codes,
     dequantize_int4pack,
     scales_and_zeros,
@@ -23,7 +24,6 @@ from .packing import (
 )
 from .structure import build_empty_model, inspect_structure, tie_word_embeddings
 
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 MAX_LISTED = 5
 
 
@@ -205,7 +205,7 @@ def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult
             result.fail(f"{module}: no {src_name} in the source")
             continue
         try:
-            packed, scale, zero = (reader.get(f"{module}.{s}") for s in QUANT_SUFFIXES)
+            packed, scale, zero = read_quantized(reader, module)
         except Int4qError as e:
             result.fail(str(e))
             continue
@@ -265,7 +265,7 @@ def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
     gen = torch.Generator().manual_seed(seed)
     for module in info.quantized:
         try:
-            packed, scale, zero = (reader.get(f"{module}.{s}") for s in QUANT_SUFFIXES)
+            packed, scale, zero = read_quantized(reader, module)
         except Int4qError as e:
             result.fail(str(e))
             continue

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader, read_config, release_free_memory
+from ..checkpoint import CheckpointReader, read_config, read_quantized, release_free_memory
 from ..config import QuantizationConfig
 from ..errors import InputError, UnsupportedError
+from ..packing import QUANT_SUFFIXES
 from ..structure import build_empty_model, tie_word_embeddings
 from .modules import Int4Linear, quantize_embedding_module, tied_head
 
 log = logging.getLogger(__name__)
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig | None:
@@ -101,10 +101,7 @@ def import_architecture(path: Path) -> None:
 
 
 def _read_quantized(reader: CheckpointReader, name: str, group_size: int):
-    try:
-        packed, scale, zero = (reader.get(f"{name}.{s}") for s in QUANT_SUFFIXES)
-    except KeyError as e:
-        raise InputError(f"{name}: missing tensor {e.args[0]}") from None
+    packed, scale, zero = read_quantized(reader, name)
     n, half = packed.shape
     if packed.dtype != torch.uint8 or scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16:
         raise InputError(f"{name}: expected uint8 packed and bf16 scale/zero")

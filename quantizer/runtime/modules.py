@@ -112,9 +112,7 @@ class Int4Linear(torch.nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] this layer computes with (for verification)."""
-        if self.packed is not None:
-            return dequantize_codes(unpack_nibbles(self.packed), self.scale, self.zero)
-        return dequantize_int4pack(self.int4pack, self.sz, self.group_size)
+        return _dequantized_weight(self)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
@@ -158,9 +156,15 @@ class Int4Lookup(torch.nn.Embedding):
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self.packed is not None:
-            return dequantize_codes(unpack_nibbles(self.packed), self.scale, self.zero)
-        return dequantize_int4pack(self.int4pack, self.sz, self.group_size)
+        """The bf16 table [N, K]."""
+        return _dequantized_weight(self)
+
+
+def _dequantized_weight(module) -> torch.Tensor:
+    """From the row-major copy when the module keeps one, else from the kernel layout."""
+    if module.packed is not None:
+        return dequantize_codes(unpack_nibbles(module.packed), module.scale, module.zero)
+    return dequantize_int4pack(module.int4pack, module.sz, module.group_size)
 
 
 def _rows_from_int4pack(int4pack: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
