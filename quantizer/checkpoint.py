@@ -1,21 +1,18 @@
 """Checkpoint I/O: read tensors one at a time from safetensors shards, write capped output
-shards with an index, publish an output folder atomically, copy tokenizer files.
+shards with an index, copy tokenizer files.
 
 Nothing here knows about quantization; tensors go in and out unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import math
-import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from .errors import InputError
@@ -264,46 +261,12 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                 f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
 
 
-def partial_dir(out: Path) -> Path:
-    """Where the output is built before it is renamed into place (stable, so a run can resume)."""
-    out = Path(out)
-    return out.parent / f".{out.name}.int4q-partial"
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: Path, overwrite: bool, keep_partial: bool = False, resume: bool = False) -> Iterator[Path]:
-    """Yield the partial folder; on success it replaces ``out``. On failure it is removed, or
-    kept (``keep_partial``) for a later run to resume from. An existing partial folder is reused
-    when ``resume`` and cleared otherwise."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(f"{out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_dir(out)
-    if tmp.exists() and not resume:
-        shutil.rmtree(tmp)
-    tmp.mkdir(exist_ok=True)
-    try:
-        yield tmp
-    except BaseException:
-        if not keep_partial:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.parent / f".{out.name}.int4q-old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
 def copy_aux_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer, generation-config and chat-template files (everything but weights,
-    config.json and the source's model card). Returns the names copied."""
+    config.json, hidden files and the source's model card). Returns the names copied."""
     copied = []
     for p in sorted(Path(src).iterdir()):
-        if not p.is_file() or p.name in NOT_COPIED or p.name.endswith(".index.json"):
+        if not p.is_file() or p.name in NOT_COPIED or p.name.startswith(".") or p.name.endswith(".index.json"):
             continue
         if p.suffix in WEIGHT_SUFFIXES:
             continue

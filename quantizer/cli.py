@@ -106,7 +106,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     """Quantize a checkpoint to the cpu_int4 format, streaming one tensor (gptq: one layer) at a time."""
     from tqdm import tqdm
 
-    from .checkpoint import atomic_output_dir, parse_size, resolve_model_dir
+    from .checkpoint import parse_size, resolve_model_dir
+    from .outdir import atomic_output_dir, check_output_target
     from .pipeline import QuantizeOptions, plan_quantization, run_quantization
 
     if method != "gptq" and (calib or resume or checkpoint_format != "cpu_int4"):
@@ -121,6 +122,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     )
     start = time.perf_counter()
     model_dir = resolve_model_dir(model)
+    inputs = [model_dir] + ([calib] if calib else [])
+    check_output_target(out, overwrite, inputs)
     plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
     if method == "gptq":
         from .gptq_pipeline import GptqOptions, run_gptq
@@ -132,12 +135,12 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
                                    checkpoint_format=checkpoint_format)
         tokenizer = load_tokenizer(model_dir)
         say = (lambda m: click.echo(f"int4q: {m}", err=True)) if progress else None
-        with atomic_output_dir(out, overwrite, keep_partial=True, resume=resume) as tmp:
+        with atomic_output_dir(out, overwrite, keep_partial=True, resume=resume, inputs=inputs) as tmp:
             report = run_gptq(plan, tmp, tokenizer, text, origin, gptq_options, resume=resume, progress=say)
     else:
         bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,
                    file=sys.stderr)
-        with atomic_output_dir(out, overwrite) as tmp:
+        with atomic_output_dir(out, overwrite, inputs=inputs) as tmp:
             report = run_quantization(plan, tmp, progress=lambda name, nbytes: bar.update(nbytes))
         bar.close()
     s = report["summary"]
@@ -154,10 +157,12 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def bundled_model(out, overwrite):
     """Write the bundled SmolLM2-135M-Instruct as a bf16 checkpoint to OUT."""
-    from .bundled import build_default_model
+    from .bundled import build_default_model, is_bundled_output
 
     if Path(out).exists() and not overwrite:
-        click.echo(f"{out} exists; keeping it")
+        if not is_bundled_output(out):
+            raise click.UsageError(f"{out} exists and is not the bundled model; choose another folder")
+        click.echo(f"{out} already holds the bundled model; keeping it")
         return
     build_default_model(out, overwrite=overwrite)
     click.echo(f"wrote SmolLM2-135M-Instruct (bf16) -> {out}")

@@ -19,6 +19,7 @@ from .checkpoint import CheckpointReader, ShardWriter, TensorInfo, copy_aux_file
 from .config import GROUP_SIZES, QuantizationConfig, matches_ignore
 from .errors import InputError
 from .minmax import ErrorStats, quantize_groupwise
+from .outdir import REPORT_NAME
 from .packing import PACK_N_ALIGN, QUANT_SUFFIXES
 from .structure import ModelStructure, inspect_structure
 
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 AUTO_GROUP_SIZES = (128, 64, 32)
-REPORT_NAME = "quantization_report.json"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from safetensors.torch import load_file, save_file
 from quantizer.checkpoint import (
     CheckpointReader,
     ShardWriter,
-    atomic_output_dir,
     copy_aux_files,
     parse_size,
     write_safetensors,
@@ -99,33 +98,11 @@ def test_pickle_only_checkpoint_is_refused_without_unpickling(tmp_path):
         CheckpointReader(tmp_path)
 
 
-def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
-    out = tmp_path / "out"
-    with pytest.raises(RuntimeError):
-        with atomic_output_dir(out, overwrite=False) as tmp:
-            (tmp / "config.json").write_text("{}")
-            raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_output_dir_refuses_existing_unless_overwrite(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old").write_text("x")
-    with pytest.raises(InputError, match="--overwrite"):
-        with atomic_output_dir(out, overwrite=False):
-            pass
-    with atomic_output_dir(out, overwrite=True) as tmp:
-        (tmp / "new").write_text("y")
-    assert [p.name for p in out.iterdir()] == ["new"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
 def test_aux_files_are_copied_but_not_weights_or_model_card(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir(), dst.mkdir()
     for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json", "config.json", "README.md",
-                 "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"):
+                 "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", ".int4q-bundled"):
         (src / name).write_text("x")
     assert copy_aux_files(src, dst) == ["chat_template.jinja", "generation_config.json", "tokenizer.json"]
 
@@ -138,21 +115,3 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects_garbage():
     with pytest.raises(InputError):
         parse_size("lots")
-
-
-def test_partial_folder_is_kept_for_resume_and_cleared_otherwise(tmp_path):
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        with atomic_output_dir(out, overwrite=False, keep_partial=True) as tmp:
-            (tmp / "progress").write_text("layer 3")
-            raise KeyboardInterrupt
-    assert not out.exists() and (tmp / "progress").is_file()
-    with atomic_output_dir(out, overwrite=False, keep_partial=True, resume=True) as again:
-        assert again == tmp and (again / "progress").read_text() == "layer 3"
-    assert (out / "progress").is_file()
-    with pytest.raises(KeyboardInterrupt):
-        with atomic_output_dir(tmp_path / "b", overwrite=False, keep_partial=True) as tmp2:
-            (tmp2 / "stale").write_text("x")
-            raise KeyboardInterrupt
-    with atomic_output_dir(tmp_path / "b", overwrite=False, keep_partial=True) as fresh:
-        assert not (fresh / "stale").exists()
