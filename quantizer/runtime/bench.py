@@ -20,10 +20,14 @@ class ArmResult:
     load_rss_anon_mb: float = 0.0
     pp: list[float] = field(default_factory=list)
     tg: list[float] = field(default_factory=list)
+    path: str = ""
+    open_seconds: float = 0.0
 
     def summary(self) -> dict:
         return {
             "name": self.name,
+            "decode_path": self.path,
+            "open_seconds": round(self.open_seconds, 2),
             "rss_anon_after_load_mb": round(self.load_rss_anon_mb, 1),
             "pp_best": round(max(self.pp), 2) if self.pp else None,
             "pp_median": round(statistics.median(self.pp), 2) if self.pp else None,
@@ -41,28 +45,37 @@ def _token_ids(model, n: int, seed: int = 0) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill_tokens_per_s(model, n_tokens: int) -> float:
-    """One forward over n_tokens (filling a fresh KV cache, logits for the last position only)."""
+def prefill_tokens_per_s(model, n_tokens: int, decoder=None) -> float:
+    """One forward over n_tokens into a fresh KV cache, logits for the last position only;
+    through ``decoder`` (a FastDecoder) when given, else transformers' forward."""
     from transformers import DynamicCache
 
     ids = _token_ids(model, n_tokens)
     start = time.perf_counter()
-    model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    if decoder is not None:
+        decoder.reset()
+        decoder.forward(ids)
+    else:
+        model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
     return n_tokens / (time.perf_counter() - start)
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model, n_tokens: int) -> float:
+def decode_tokens_per_s(model, n_tokens: int, decoder=None) -> float:
     """Greedy single-token steps after a 1-token prompt; the prompt's forward is not timed."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
     ids = _token_ids(model, 1)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    if decoder is not None:
+        decoder.reset()
+        step = decoder.forward
+    else:
+        cache = DynamicCache(config=model.config)
+        step = lambda t: model(input_ids=t, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # noqa: E731
+    logits = step(ids)
     start = time.perf_counter()
     for _ in range(n_tokens):
-        ids = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = step(logits.argmax(-1, keepdim=True))
     return n_tokens / (time.perf_counter() - start)
 
 
@@ -76,16 +89,62 @@ def load_measured(load, path, name: str) -> tuple[torch.nn.Module, ArmResult]:
 
 
 def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], prompt_tokens: int,
-              gen_tokens: int, reps: int, progress=None) -> None:
-    """Warm up each arm once, then ``reps`` rounds with the arms interleaved within each round."""
+              gen_tokens: int, reps: int, progress=None, compile: bool = True) -> None:
+    """Open each arm's decoder (the path ``int4q generate`` takes, compiled when ``compile``), warm
+    it up, then run ``reps`` rounds with the arms interleaved within each round."""
+    from .fastpath import open_decoder
+
+    decoders = {}
     for name, model in arms.items():
-        prefill_tokens_per_s(model, min(prompt_tokens, 32))
-        decode_tokens_per_s(model, 4)
+        started = time.perf_counter()
+        decoders[name] = open_decoder(model, max(prompt_tokens, 1) + gen_tokens + 1, compile=compile)
+        results[name].open_seconds = time.perf_counter() - started
+        results[name].path = describe_path(decoders[name])
+        prefill_tokens_per_s(model, min(prompt_tokens, 32) or 1, decoders[name])
+        decode_tokens_per_s(model, 4, decoders[name])
     for rep in range(reps):
         for name, model in arms.items():
             if prompt_tokens:
-                results[name].pp.append(prefill_tokens_per_s(model, prompt_tokens))
+                results[name].pp.append(prefill_tokens_per_s(model, prompt_tokens, decoders[name]))
             if gen_tokens:
-                results[name].tg.append(decode_tokens_per_s(model, gen_tokens))
+                results[name].tg.append(decode_tokens_per_s(model, gen_tokens, decoders[name]))
             if progress:
                 progress(rep, name, results[name])
+
+
+def describe_path(decoder) -> str:
+    """Which decode path an arm runs: compiled, eager (fast decoder) or transformers."""
+    if decoder is None:
+        return "transformers"
+    return "compiled" if decoder.compiled else "eager"
+
+
+def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps: int, compile: bool = True,
+                 progress=None) -> dict:
+    """Load the int4 model (and the bf16 ``baseline``), measure them interleaved, and return the
+    report: machine, lengths, each arm's summary, int4/baseline ratios and the process's peak RSS."""
+    import platform
+
+    from .loader import import_architecture, load_model
+
+    import_architecture(model_dir)
+    arms, results = {}, {}
+    for name, path in [("int4", model_dir)] + ([("baseline", baseline)] if baseline else []):
+        arms[name], results[name] = load_measured(load_model, path, name)
+    run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile)
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "reps": reps,
+        "arms": {name: r.summary() for name, r in results.items()},
+        "peak_rss_mb": round(proc_status_mb("VmHWM"), 1),
+    }
+    if baseline:
+        a, b = report["arms"]["int4"], report["arms"]["baseline"]
+        ratios = {
+            "tg_median": a["tg_median"] / b["tg_median"] if gen_tokens else None,
+            "pp_median": a["pp_median"] / b["pp_median"] if prompt_tokens else None,
+            "rss_anon_after_load": a["rss_anon_after_load_mb"] / b["rss_anon_after_load_mb"],
+        }
+        report["ratios_int4_over_baseline"] = {k: round(v, 3) if v is not None else None for k, v in ratios.items()}
+    return report

@@ -14,7 +14,8 @@ from ..config import QuantizationConfig
 from ..errors import InputError, UnsupportedError
 from ..packing import QUANT_SUFFIXES
 from ..structure import build_empty_model, tie_word_embeddings
-from .modules import Int4Linear, quantize_embedding_module, tied_head
+from .fusion import fuse_projections
+from .modules import Int4Linear, quantize_embedding_module, set_module, tied_head
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,11 @@ def _quantized_modules(reader: CheckpointReader) -> list[str]:
     return sorted(n.removesuffix(".weight_packed") for n in reader.infos if n.endswith(".weight_packed"))
 
 
-def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
+def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> torch.nn.Module:
     """Load a cpu_int4 (or plain) checkpoint folder as a transformers model ready for ``generate``.
 
-    Activations are bf16 end to end: unquantized float tensors are cast to bf16.
+    Activations are bf16 end to end: unquantized float tensors are cast to bf16. With ``fuse``,
+    int4 linears that share an input run as one kernel call (see :mod:`.fusion`).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -71,12 +73,12 @@ def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
             if (module.out_features, module.in_features) != (tensors[0].shape[0], tensors[0].shape[1] * 2):
                 raise InputError(f"{name}: packed shape {list(tensors[0].shape)} does not fit "
                                  f"[{module.out_features}, {module.in_features}]")
-            _set_module(model, name, Int4Linear.from_row_major(*tensors, bias=bias, **runtime, **linear_kwargs))
+            set_module(model, name, Int4Linear.from_row_major(*tensors, bias=bias, **runtime, **linear_kwargs))
         else:
             raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
     head_name = next((n for n, m in modules.items() if m is head), None)
     if tied and emb_name in quantized:
-        _set_module(model, head_name, tied_head(emb, **runtime, **linear_kwargs))
+        set_module(model, head_name, tied_head(emb, **runtime, **linear_kwargs))
     quantized_set = set(quantized)
     for name, info in reader.infos.items():
         module_name, _, attr = name.rpartition(".")
@@ -88,6 +90,8 @@ def load_model(path: Path, threads: int | None = None) -> torch.nn.Module:
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise InputError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}")
+    if fuse:
+        fuse_projections(model)
     model.int4q_config = qc
     release_free_memory()
     return model
@@ -109,11 +113,6 @@ def _read_quantized(reader: CheckpointReader, name: str, group_size: int):
         raise InputError(f"{name}: scale/zero shape {list(scale.shape)} does not match group size {group_size} "
                          f"for a [{n}, {2 * half}] weight")
     return packed, scale, zero
-
-
-def _set_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def _set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -207,6 +207,7 @@ def dequantize_modules(model: torch.nn.Module) -> torch.nn.Module:
     """Replace every int4 module of ``model`` in place by its bf16 equivalent (nn.Linear with the
     dequantized weight, the original embedding class with the dequantized table). A head tied to
     the table stays tied. The result computes the same function through ordinary kernels."""
+    _unfuse(model)
     tables: dict[int, torch.nn.Parameter] = {}
     for module in list(model.modules()):
         if isinstance(module, Int4Lookup):
@@ -227,9 +228,32 @@ def dequantize_modules(model: torch.nn.Module) -> torch.nn.Module:
             linear.weight = weight
             if module.bias is not None:
                 linear.bias = torch.nn.Parameter(module.bias, requires_grad=False)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, linear)
+            set_module(model, name, linear)
     return model
+
+
+def _unfuse(model: torch.nn.Module) -> None:
+    """Replace fused groups' slices by bf16 linears and drop the groups."""
+    from .fusion import Int4Group, Int4Slice
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int4Slice):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                     device="meta")
+            linear.weight = torch.nn.Parameter(module.dequantized_weight(), requires_grad=False)
+            if module.bias is not None:
+                linear.bias = torch.nn.Parameter(module.bias.clone(), requires_grad=False)
+            set_module(model, name, linear)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int4Group):
+            parent, _, child = name.rpartition(".")
+            delattr(model.get_submodule(parent) if parent else model, child)
+
+
+def set_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    """Put ``new`` at the dotted path ``name`` of ``model``."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def tied_head(embedding: torch.nn.Module, **kwargs) -> Int4Linear:

@@ -1,0 +1,106 @@
+"""Choosing and compiling the decode path.
+
+:func:`open_decoder` returns a :class:`FastDecoder` whose single-token steps are compiled with
+``torch.compile`` (Inductor told to round like eager, so greedy tokens stay identical), or None
+when the model needs transformers' own ``generate``. Compiled artifacts are saved per model,
+torch version and thread count under the int4q cache folder, so only the first run compiles.
+Where compilation fails, decoding continues eagerly after one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .decoder import FastDecoder, attention_inputs, attention_output_and_mlp, unsupported_reason
+
+log = logging.getLogger(__name__)
+
+INDUCTOR_OPTIONS = {
+    # Round every intermediate to bf16 where eager does, so compiled greedy tokens equal eager ones.
+    "emulate_precision_casts": True,
+    # Each call gets a different (but identically shaped, see unsupported_reason) layer: guarding
+    # every module attribute costs more than a small layer's kernels. Tensor guards stay.
+    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+}
+_warned: set[str] = set()
+
+
+def cache_dir() -> Path:
+    """``INT4Q_CACHE_DIR``, else ``$XDG_CACHE_HOME/int4q``, else ``~/.cache/int4q``."""
+    if os.environ.get("INT4Q_CACHE_DIR"):
+        return Path(os.environ["INT4Q_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "int4q"
+
+
+def artifact_path(model: torch.nn.Module) -> Path:
+    """Where this model's compiled decode step is kept: keyed by everything the code depends on."""
+    import transformers
+
+    key = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "threads": torch.get_num_threads(), "config": model.config.to_dict()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return cache_dir() / "compiled" / f"{digest}.bin"
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True) -> FastDecoder | None:
+    """A ready FastDecoder for sequences of up to ``max_len`` tokens, or None (with one warning)
+    when ``model`` must use transformers' generate. With ``compile`` the step is compiled now."""
+    reason = unsupported_reason(model, max_len)
+    if reason:
+        _warn_once(f"decoding through transformers' generate (slower): {reason}")
+        return None
+    decoder = FastDecoder(model, max_len)
+    if compile:
+        _compile(decoder, artifact_path(model))
+    return decoder
+
+
+def _compile(decoder: FastDecoder, artifacts: Path) -> None:
+    """Compile the decoder's single-token step, from saved artifacts when they exist."""
+    loaded = False
+    if artifacts.is_file():
+        try:
+            torch.compiler.load_cache_artifacts(artifacts.read_bytes())
+            loaded = True
+        except Exception as e:  # a stale or truncated file only costs a fresh compile
+            log.info("ignoring compiled artifacts %s: %s", artifacts, e)
+    decoder.compiled = tuple(
+        torch.compile(fn, dynamic=False, options=INDUCTOR_OPTIONS)
+        for fn in (attention_inputs, attention_output_and_mlp)
+    )
+    try:
+        decoder.forward(torch.zeros(1, 1, dtype=torch.long))
+    except Exception as e:
+        decoder.compiled = None
+        _warn_once(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                   "decoding eagerly")
+        return
+    finally:
+        decoder.reset()
+    if not loaded:
+        _save_artifacts(artifacts)
+
+
+def _save_artifacts(path: Path) -> None:
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(saved[0])
+        tmp.replace(path)
+    except OSError as e:
+        log.info("cannot save compiled artifacts to %s: %s", path, e)

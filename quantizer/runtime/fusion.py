@@ -1,0 +1,121 @@
+"""Fewer, larger kernel calls: sibling int4 linears that read the same input (q/k/v, gate/up)
+become one :class:`Int4Linear` over the concatenated output channels.
+
+Each original module is replaced by an :class:`Int4Slice` of the shared group, so the model's
+own forward code still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``; the group computes
+once per input and hands each member its columns. Output channels are independent dot products,
+so the fused result is bit-identical to the separate ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..packing import codes_from_int4pack, pack_nibbles
+from .modules import Int4Linear
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Child names that read the same input in the transformers architectures that have them."""
+
+
+class Int4Group(torch.nn.Module):
+    """A fused Int4Linear whose output is shared by its members, computed once per input tensor."""
+
+    def __init__(self, linear: Int4Linear, sizes: list[int]):
+        super().__init__()
+        self.linear = linear
+        self.sizes = sizes
+        self._key = None
+        self._out = None
+        self._pending = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused output for ``x``; the members after the first reuse it (eager only)."""
+        if torch.compiler.is_compiling():
+            return self.linear(x)
+        key = (x, None if x.is_inference() else x._version)  # inference tensors have no version counter
+        if self._pending and self._key[0] is x and self._key[1] == key[1]:
+            out = self._out
+            self._pending -= 1
+        else:
+            out = self.linear(x)
+            self._pending = len(self.sizes) - 1
+        # Released once every member has read it, so no activation outlives the step.
+        self._key, self._out = (key, out) if self._pending else (None, None)
+        return out
+
+
+class Int4Slice(torch.nn.Module):
+    """Output channels [start, stop) of an :class:`Int4Group`; stands where the original linear was."""
+
+    def __init__(self, group: Int4Group, start: int, stop: int):
+        super().__init__()
+        object.__setattr__(self, "group", group)  # not a child: the parent owns the group
+        self.start, self.stop = start, stop
+        self.in_features = group.linear.in_features
+        self.out_features = stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.shared(x)[..., self.start : self.stop]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.group.linear.dequantized_weight()[self.start : self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.group.linear.bias
+        return None if bias is None else bias[self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"channels [{self.start}, {self.stop}) of a fused group"
+
+
+def row_major_tensors(linear: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed [N, K/2] uint8, scale [N, G], zero [N, G]) of a layer, from whichever copy it holds."""
+    if linear.packed is not None:
+        return linear.packed, linear.scale, linear.zero
+    return pack_nibbles(codes_from_int4pack(linear.int4pack)), linear.sz[..., 0].t(), linear.sz[..., 1].t()
+
+
+def fuse_linears(members: list[Int4Linear]) -> Int4Linear:
+    """One Int4Linear computing ``cat([m(x) for m in members], -1)``; members must share K and group."""
+    first = members[0]
+    if any(m.in_features != first.in_features or m.group_size != first.group_size for m in members):
+        raise ValueError("fused linears need the same input size and group size")
+    parts = [row_major_tensors(m) for m in members]
+    packed, scale, zero = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
+    biases = [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16) for m in members]
+    bias = torch.cat(biases) if any(m.bias is not None for m in members) else None
+    threshold = first.threshold
+    prefill_dequant = threshold < 2**62
+    return Int4Linear.from_row_major(
+        packed, scale, zero, first.group_size, threshold=threshold if prefill_dequant else 2,
+        prefill_dequant=prefill_dequant, direct_dequant=first.direct,
+        use_custom_op=first.use_custom_op, bias=bias,
+    )
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Fuse every sibling set of :data:`SIBLINGS` that are all Int4Linear with one K and group size.
+
+    Returns the number of groups made. The model computes the same function afterwards.
+    """
+    made = 0
+    for parent in list(model.modules()):
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is Int4Linear for m in members):
+                continue
+            if len({(m.in_features, m.group_size, m.threshold) for m in members}) != 1:
+                continue
+            group = Int4Group(fuse_linears(members), [m.out_features for m in members])
+            parent.add_module("_".join(names) + "_fused", group)
+            start = 0
+            for name, m in zip(names, members):
+                setattr(parent, name, Int4Slice(group, start, start + m.out_features))
+                start += m.out_features
+            made += 1
+    return made

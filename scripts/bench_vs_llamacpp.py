@@ -1,0 +1,173 @@
+"""int4q against llama.cpp on the same machine, in one process, arms interleaved per rep.
+
+Every arm runs the same lengths with the same thread count: pp = one forward over N prompt
+tokens into an empty cache; tg = M single-token steps after a 1-token prompt (llama-bench's
+definitions). int4q arms decode the way ``int4q generate`` does (fast decoder, compiled step);
+llama.cpp arms run through llama-cpp-python, an optional extra (``pip install int4q[bench]``;
+where the CPU advertises AMX that the kernel does not enable, build it with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"``).
+
+    python scripts/bench_vs_llamacpp.py --int4 models/g64 --int4 models/g32 --bf16 models/bf16 \\
+        --gguf q4_1=<path> --make-q4_0 --threads 2 --json out.json
+
+With ``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile
+caches) and warm (reusing what the first run saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from quantizer.checkpoint import proc_status_mb, release_free_memory
+from quantizer.runtime import load_model
+from quantizer.runtime.bench import decode_tokens_per_s, describe_path, prefill_tokens_per_s
+from quantizer.runtime.fastpath import open_decoder
+
+Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+
+
+class TorchArm:
+    def __init__(self, label: str, path: str, pp: int, tg: int):
+        release_free_memory()
+        before = proc_status_mb("RssAnon")
+        self.model = load_model(path)
+        self.rss_mb = proc_status_mb("RssAnon") - before
+        started = time.perf_counter()
+        self.decoder = open_decoder(self.model, max(pp, 1) + tg + 1)
+        self.label, self.kind, self.open_s = label, f"int4q ({describe_path(self.decoder)})", time.perf_counter() - started
+
+    def pp(self, n: int) -> float:
+        return prefill_tokens_per_s(self.model, n, self.decoder)
+
+    def tg(self, n: int) -> float:
+        return decode_tokens_per_s(self.model, n, self.decoder)
+
+
+class LlamaCppArm:
+    def __init__(self, label: str, path: str, pp: int, tg: int, threads: int):
+        import llama_cpp
+
+        release_free_memory()
+        before = proc_status_mb("RssAnon")
+        self.llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
+                                   n_ctx=max(pp, 1) + tg + 8, n_batch=max(pp, 1), use_mmap=False, verbose=False)
+        self.rss_mb = proc_status_mb("RssAnon") - before
+        self.label, self.kind, self.open_s = label, "llama.cpp", 0.0
+        self.vocab = self.llm.n_vocab()
+
+    def pp(self, n: int) -> float:
+        tokens = [100 + (i * 7919) % (self.vocab - 200) for i in range(n)]
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(tokens)
+        return n / (time.perf_counter() - start)
+
+    def tg(self, n: int) -> float:
+        self.llm.reset()
+        self.llm.eval([100])
+        start = time.perf_counter()
+        for i in range(n):
+            self.llm.eval([101 + i])
+        return n / (time.perf_counter() - start)
+
+
+def make_q4_0(source: Path, out: Path) -> Path:
+    """Requantize a GGUF to Q4_0 with llama.cpp's own quantizer (speed arm: same model, Q4_0 blocks)."""
+    import llama_cpp
+
+    if out.is_file():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = Q4_0_FTYPE
+    params.allow_requantize = True
+    params.nthread = torch.get_num_threads()
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not requantize {source}")
+    return out
+
+
+def time_to_first_token(model_dir: str, threads: int) -> dict:
+    """``int4q generate --stats`` twice in fresh processes: with empty compile caches, then warm."""
+    prompt = ["--prompt", "The capital of France is", "--max-new-tokens", "16", "--threads", str(threads), "--stats"]
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, INT4Q_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor")
+        runs = {}
+        for name in ("cold", "warm"):
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "quantizer", "generate", model_dir, *prompt],
+                                  env=env, capture_output=True, text=True, check=True)
+            line = [ln for ln in done.stderr.splitlines() if "time to first token" in ln][-1]
+            runs[name] = {"wall_s": round(time.perf_counter() - started, 2), "stats": line.removeprefix("int4q: ")}
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--int4", action="append", default=[], help="int4q checkpoint folder (repeatable)")
+    ap.add_argument("--bf16", help="bf16 checkpoint folder, run through the same int4q runtime")
+    ap.add_argument("--gguf", action="append", default=[], help="LABEL=PATH of a GGUF for llama.cpp (repeatable)")
+    ap.add_argument("--make-q4_0", action="store_true", help="also requantize the first GGUF to Q4_0")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ttft", action="store_true", help="time cold and warm starts of int4q generate")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ggufs = [tuple(g.split("=", 1)) for g in args.gguf]
+    if args.make_q4_0 and ggufs:
+        ggufs.append(("q4_0", str(make_q4_0(Path(ggufs[0][1]), Path(tempfile.gettempdir()) / "int4q-bench-q4_0.gguf"))))
+    arms = [TorchArm(Path(p).name, p, args.pp, args.tg) for p in args.int4]
+    if args.bf16:
+        arms.append(TorchArm("bf16", args.bf16, args.pp, args.tg))
+    arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads) for label, path in ggufs]
+    for arm in arms:  # warm-up
+        arm.pp(min(args.pp, 32) or 1)
+        arm.tg(4)
+    results = {arm.label: {"pp": [], "tg": []} for arm in arms}
+    for rep in range(args.reps):
+        for arm in arms:
+            if args.pp:
+                results[arm.label]["pp"].append(arm.pp(args.pp))
+            results[arm.label]["tg"].append(arm.tg(args.tg))
+            print(f"rep {rep + 1}/{args.reps} {arm.label}: pp {results[arm.label]['pp'][-1] if args.pp else 0:.1f} "
+                  f"tg {results[arm.label]['tg'][-1]:.1f} tok/s", file=sys.stderr)
+    report = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
+              "torch": torch.__version__, "arms": {}}
+    for arm in arms:
+        r = results[arm.label]
+        report["arms"][arm.label] = {
+            "kind": arm.kind, "pp_median": round(statistics.median(r["pp"]), 1) if r["pp"] else None,
+            "tg_median": round(statistics.median(r["tg"]), 1), "tg_reps": [round(v, 1) for v in r["tg"]],
+            "rss_anon_after_load_mb": round(arm.rss_mb, 1), "open_s": round(arm.open_s, 2),
+        }
+    reference = next((lbl for lbl, _ in ggufs), None)
+    print(f"threads {args.threads}, pp{args.pp} tg{args.tg}, {args.reps} reps, medians; ratio = tg / tg of {reference}")
+    print(f"{'arm':<14} {'runtime':<20} {'pp tok/s':>9} {'tg tok/s':>9} {'tg ratio':>9} {'RssAnon MiB':>12}")
+    for label, a in report["arms"].items():
+        ratio = a["tg_median"] / report["arms"][reference]["tg_median"] if reference else float("nan")
+        a["tg_ratio_vs_" + str(reference)] = round(ratio, 3)
+        print(f"{label:<14} {a['kind']:<20} {a['pp_median'] or 0:>9.1f} {a['tg_median']:>9.1f} {ratio:>9.2f} "
+              f"{a['rss_anon_after_load_mb']:>12.1f}")
+    if args.ttft and args.int4:
+        report["time_to_first_token"] = time_to_first_token(args.int4[0], args.threads)
+        for name, run in report["time_to_first_token"].items():
+            print(f"{name} start of int4q generate ({args.int4[0]}): {run['stats']}; process wall {run['wall_s']} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

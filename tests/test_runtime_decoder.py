@@ -1,0 +1,140 @@
+"""The fast decoder reproduces transformers' forward exactly; unsupported models fall back."""
+
+import logging
+
+import pytest
+import torch
+
+from quantizer.runtime import load_model, load_tokenizer
+from quantizer.runtime import fastpath
+from quantizer.runtime.decoder import FastDecoder, unsupported_reason
+from quantizer.runtime.generation import (
+    GenerationStats, encode_prompt, eos_token_ids, fast_greedy, generate_text, greedy_ids,
+)
+
+from conftest import quantize_to, save_byte_tokenizer
+
+
+def save_tiny_qwen2(path):
+    """A seeded random Qwen2 (q/k/v biases, untied head) with the byte tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers:  # random init leaves the biases at zero
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "bf16")
+
+
+def reference_logits(model, ids):
+    """transformers' last-position logits after each token of ``ids``, with its own KV cache and,
+    as ``generate`` does, the head applied to the last position only."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(config=model.config), []
+    kwargs = dict(cache=cache, use_cache=True, logits_to_keep=1)
+    with torch.inference_mode():
+        out.append(model(input_ids=ids[:, :-3], **kwargs).logits[:, -1])
+        for i in range(3, 0, -1):
+            out.append(model(input_ids=ids[:, -i:][:, :1], **kwargs).logits[:, -1])
+    return out
+
+
+def fast_logits(model, ids):
+    decoder = FastDecoder(model, ids.shape[1])
+    out = [decoder.forward(ids[:, :-3])]
+    out += [decoder.forward(ids[:, -i:][:, :1]) for i in range(3, 0, -1)]
+    return out
+
+
+@pytest.mark.parametrize("which", ["llama-int4", "llama-bf16", "qwen2-int4"])
+def test_fast_decoder_equals_transformers_bit_for_bit(which, tiny_model, tiny_qwen2, tmp_path):
+    source = tiny_qwen2 if which.startswith("qwen2") else tiny_model
+    path = quantize_to(source, tmp_path / "q", group_size=64) if which.endswith("int4") else source
+    model = load_model(path)
+    ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))
+    for got, want in zip(fast_logits(model, ids), reference_logits(model, ids)):
+        assert torch.equal(got, want)
+
+
+def test_cache_overflow_is_an_input_error(tiny_model):
+    decoder = FastDecoder(load_model(tiny_model), 4)
+    with pytest.raises(Exception, match="exceed"):
+        decoder.forward(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_unsupported_model_falls_back_to_generate_with_one_warning(tmp_path, caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=128)).save_pretrained(tmp_path)
+    tokenizer = save_byte_tokenizer(tmp_path)
+    model = load_model(tmp_path)
+    assert "gpt2" in unsupported_reason(model, 64)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            text = "".join(generate_text(model, tokenizer, "hello", 5))
+    assert text and sum("transformers' generate" in r.message for r in caplog.records) == 1
+
+
+def test_compile_failure_decodes_eagerly_after_one_warning(tiny_model, monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING):
+        decoder = fastpath.open_decoder(load_model(tiny_model), 16)
+    assert decoder.compiled is None and decoder.position == 0
+    assert [r.message for r in caplog.records if "torch.compile failed" in r.message]
+    assert decoder.forward(torch.tensor([[1]])).shape == (1, 512)
+
+
+def test_compiled_greedy_equals_eager_and_artifacts_are_saved_once(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    model = load_model(tiny_model)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(4))
+    compiled = fastpath.open_decoder(model, 40)
+    assert compiled.compiled is not None
+    saved = list(tmp_path.rglob("*.bin"))
+    assert len(saved) == 1 and saved[0] == fastpath.artifact_path(model)
+    eager = fastpath.open_decoder(model, 40, compile=False)
+    assert list(fast_greedy(compiled, ids, 24, set())) == list(fast_greedy(eager, ids, 24, set()))
+    saved[0].write_bytes(b"truncated")  # a damaged artifact costs a compile, never a failure
+    assert fastpath.open_decoder(model, 40).compiled is not None
+
+
+def test_fast_greedy_equals_todays_generate_on_the_verify_prompts(smollm2_g64, monkeypatch, tmp_path):
+    from quantizer.evaluation import GREEDY_PROMPTS
+
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    model, tokenizer = load_model(smollm2_g64), load_tokenizer(smollm2_g64)
+    unfused = load_model(smollm2_g64, fuse=False)
+    decoder = fastpath.open_decoder(model, 160)
+    assert decoder.compiled is not None
+    for kind, prompt in GREEDY_PROMPTS:
+        ids = encode_prompt(tokenizer, prompt, chat=kind == "chat")
+        want = greedy_ids(unfused, ids, 32)[0].tolist()  # the eager transformers path, unfused
+        assert list(fast_greedy(decoder, ids, 32, eos_token_ids(model, tokenizer))) == want, prompt
+
+
+def test_generation_stats_count_tokens(tiny_model):
+    tokenizer = save_byte_tokenizer(tiny_model.parent / "tok")
+    stats = GenerationStats()
+    "".join(generate_text(load_model(tiny_model), tokenizer, "abc", 7, compile=False, stats=stats))
+    assert stats.prompt_tokens == 3 and 1 <= stats.new_tokens <= 7 and stats.first_token_at <= stats.last_token_at
