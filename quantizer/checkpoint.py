@@ -86,7 +86,7 @@ class CheckpointReader:
 
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
-        self.files = _weight_files(self.dir)
+        self.files, weight_map = _weight_files(self.dir)
         self.infos: dict[str, TensorInfo] = {}
         for file in self.files:
             base, header = _read_header(file)
@@ -105,6 +105,10 @@ class CheckpointReader:
                 if isinstance(dtype, torch.dtype) and numel * dtype.itemsize != end - start:
                     raise InputError(f"{file.name}: tensor {name} has {end - start} bytes for shape {list(shape)}")
                 self.infos[name] = TensorInfo(name, file, dtype, shape, base + start, end - start)
+        for name, file in (weight_map or {}).items():
+            if name not in self.infos or self.infos[name].file.name != file:
+                raise InputError(f"{INDEX_NAME} places {name} in {file}, which does not hold it; "
+                                 "regenerate the index from the shards")
 
     @property
     def total_bytes(self) -> int:
@@ -139,7 +143,8 @@ def read_quantized(reader: "CheckpointReader", module: str) -> tuple[torch.Tenso
     return packed, scale, zero
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
+def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint, and its index's weight_map when it has one."""
     index = model_dir / INDEX_NAME
     if index.is_file():
         try:
@@ -150,13 +155,13 @@ def _weight_files(model_dir: Path) -> list[Path]:
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise InputError(f"{index.name} names {len(missing)} missing shard(s): {', '.join(missing[:3])}")
-        return [model_dir / f for f in files]
+        return [model_dir / f for f in files], weight_map
     single = model_dir / SINGLE_NAME
     if single.is_file():
-        return [single]
+        return [single], None
     found = sorted(model_dir.glob("*.safetensors"))
     if len(found) == 1:
-        return found
+        return found, None
     if len(found) > 1:
         raise InputError(f"{model_dir}: {len(found)} safetensors files but no {INDEX_NAME}")
     pickles = [p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]

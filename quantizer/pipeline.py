@@ -21,7 +21,7 @@ from .errors import InputError
 from .minmax import ErrorStats, quantize_groupwise
 from .outdir import REPORT_NAME
 from .packing import PACK_N_ALIGN, QUANT_SUFFIXES
-from .structure import ModelStructure, inspect_structure
+from .structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     reader = CheckpointReader(model_dir)
     structure = inspect_structure(config)
     infos = reader.infos
+    _check_architecture(model_dir, config, structure, infos)
 
     def ignored(module: str) -> bool:
         return matches_ignore(module, options.ignore)
@@ -143,6 +144,16 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     return QuantizationPlan(
         model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped), tied_output
     )
+
+
+def _check_architecture(model_dir: Path, config: dict, structure: ModelStructure, infos: dict[str, TensorInfo]) -> None:
+    """Every tensor the architecture in config.json needs is present with its shape, and nothing else."""
+    tied_head = structure.head if structure.tied else None
+    problems = architecture_mismatches(build_empty_model(config), {n: i.shape for n, i in infos.items()}, tied_head)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{model_dir}: the weights do not match config.json: {problems[0]}{more}; "
+                         "fix config.json or point --model at the checkpoint it describes")
 
 
 def _check_dtypes_and_shapes(targets: dict[str, str], infos: dict[str, TensorInfo]) -> None:

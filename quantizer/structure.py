@@ -84,3 +84,24 @@ def inspect_structure(config_dict: dict) -> ModelStructure:
     if head is not None and type(head) is not torch.nn.Linear:
         head_name = None
     return ModelStructure(linears, emb_name, head_name, tie_word_embeddings(config_dict))
+
+
+def architecture_mismatches(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],
+                            tied_head: str | None = None) -> list[str]:
+    """Problems between a checkpoint's tensors (name -> shape; a quantized module appears as its
+    ``<module>.weight`` with the unpacked [N, K]) and ``model``'s parameters: a parameter missing or
+    misshaped, or a tensor with no place in the model. A tied head's redundant copy is allowed."""
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    buffers = {n for n, _ in model.named_buffers()}
+    problems = []
+    for name, want in params.items():
+        if tied_head and name.startswith(tied_head + "."):
+            continue  # the table serves as the head
+        if name not in shapes:
+            problems.append(f"{name}: missing")
+        elif tuple(shapes[name]) != want:
+            problems.append(f"{name}: shape {list(shapes[name])}, the model expects {list(want)}")
+    for name in sorted(set(shapes) - set(params) - buffers):
+        if not (tied_head and name.startswith(tied_head + ".")):
+            problems.append(f"{name}: stray tensor the model has no place for")
+    return problems

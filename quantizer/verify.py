@@ -22,7 +22,7 @@ from .packing import (
     to_int4pack,
     unpack_nibbles,
 )
-from .structure import build_empty_model, inspect_structure, tie_word_embeddings
+from .structure import architecture_mismatches, build_empty_model, inspect_structure, tie_word_embeddings
 
 MAX_LISTED = 5
 
@@ -110,20 +110,15 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         if not tied and not head_tensors:
             result.fail(f"tie_word_embeddings is false but there is no {structure.head} tensor")
 
-    params = dict(build_empty_model(config).named_parameters())
-    quantized_set = set(quantized)
-    for pname, p in params.items():
-        module = pname.rpartition(".")[0]
-        if module in quantized_set or (tied and module == structure.head):
-            continue
-        if pname not in names:
-            result.fail(f"{pname}: missing")
-        elif tuple(reader.infos[pname].shape) != tuple(p.shape):
-            result.fail(f"{pname}: shape {list(reader.infos[pname].shape)}, the model expects {list(p.shape)}")
-    for name in sorted(names):
-        module, _, suffix = name.rpartition(".")
-        if name not in params and not (module in quantized_set and suffix in QUANT_SUFFIXES + ("bias",)):
-            result.fail(f"{name}: stray tensor the model has no place for")
+    shapes = {n: i.shape for n, i in reader.infos.items() if n.rpartition(".")[0] not in set(quantized)}
+    for module in quantized:
+        n, half = reader.infos[f"{module}.weight_packed"].shape
+        shapes[f"{module}.weight"] = (n, 2 * half)
+        if f"{module}.bias" in reader.infos:
+            shapes[f"{module}.bias"] = reader.infos[f"{module}.bias"].shape
+    model = build_empty_model(config)
+    for problem in architecture_mismatches(model, shapes, structure.head if tied else None):
+        result.fail(problem)
     return result, info
 
 

@@ -98,8 +98,10 @@ def test_compile_failure_decodes_eagerly_after_one_warning(tiny_model, monkeypat
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
+    fastpath._compiled_step.cache_clear()
     with caplog.at_level(logging.WARNING):
         decoder = fastpath.open_decoder(load_model(tiny_model), 16)
+    fastpath._compiled_step.cache_clear()
     assert decoder.compiled is None and decoder.position == 0
     assert [r.message for r in caplog.records if "torch.compile failed" in r.message]
     assert decoder.forward(torch.tensor([[1]])).shape == (1, 512)

@@ -1,10 +1,11 @@
 """Greedy decoding without transformers' per-step machinery.
 
 A preallocated KV cache, logits for the last position only, and each decoder layer split into
-two halves around attention (norm + projections + rotary; output projection + norm + MLP). The
-halves are plain functions of ``(layer, tensors)``, so ``torch.compile`` makes one graph per half
-that every layer reuses; prefill runs the same functions eagerly (its GEMMs dominate). The cache
-write and the attention stay outside the graphs, so the graphs never depend on the position.
+two halves around attention (norm + projections + rotary; output projection + norm + MLP).
+Prefill runs the halves eagerly (its GEMMs dominate). A single-token step is also available as
+one function of tensors, :func:`decode_step`, which ``torch.compile`` turns into one graph for
+the whole model: the position is a tensor and the caches come in as views whose length is marked
+dynamic, so the graph holds for every position and every cache size.
 
 Covers decoder layers shaped like Llama's (:data:`FAST_MODEL_TYPES`); :func:`unsupported_reason`
 says why any other model must decode through transformers' ``generate`` instead.
@@ -107,11 +108,24 @@ def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).reshape(1, t, -1)
 
 
+def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale):
+    """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long). ``keys``/``values`` are
+    the caches' views of positions 0..position; the token's K/V go into their last slot."""
+    h = embed(token).to(torch.bfloat16)
+    cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        q, k, v = attention_inputs(layer, h, cos, sin, rope)
+        layer_keys[:, :, -1:].copy_(k)
+        layer_values[:, :, -1:].copy_(v)
+        h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, 1, scale))
+    return head(norm(h))[:, 0]
+
+
 class FastDecoder:
     """One sequence's forward passes with a KV cache of ``max_len`` positions.
 
     ``forward(ids)`` appends ``ids`` [1, T] and returns the last position's logits [1, V].
-    ``compiled``, when set, holds compiled versions of the two halves for single-token steps.
+    ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps.
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int):
@@ -120,7 +134,7 @@ class FastDecoder:
             raise InputError(f"the fast decoder cannot run this model: {reason}")
         base = model.get_decoder()
         config = model.config.get_text_config()
-        self.layers = list(base.layers)
+        self.layers = base.layers
         self.norm, self.embed, self.head = base.norm, model.get_input_embeddings(), model.get_output_embeddings()
         attn = self.layers[0].self_attn
         self.scale = attn.scaling
@@ -130,9 +144,20 @@ class FastDecoder:
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
         with torch.inference_mode():
             self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
+        for t in (self.cos, self.sin):  # one compiled graph serves every cache length
+            torch._dynamo.mark_dynamic(t, 1)
         self.max_len = max_len
         self.position = 0
         self.compiled = None
+
+    def _views(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's cache over positions 0..length-1, its length dynamic for torch.compile
+        (so one graph serves every position; lengths 0 and 1 would be specialised, hence
+        ``start`` > 0 above)."""
+        views = ([k[:, :, :length] for k in self.keys], [v[:, :, :length] for v in self.values])
+        for t in (*views[0], *views[1]):
+            torch._dynamo.mark_dynamic(t, 2)
+        return views
 
     def reset(self) -> None:
         self.position = 0
@@ -142,14 +167,19 @@ class FastDecoder:
         start, t = self.position, ids.shape[1]
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
-        first, second = self.compiled if t == 1 and self.compiled else (attention_inputs, attention_output_and_mlp)
+        if t == 1 and start and self.compiled is not None:
+            keys, values = self._views(start + 1)
+            logits = self.compiled(self.layers, self.embed, self.norm, self.head, ids, torch.tensor([start]),
+                                   keys, values, self.cos, self.sin, self.rope, self.scale)
+            self.position += 1
+            return logits
         h = self.embed(ids).to(torch.bfloat16)
         cos, sin = self.cos[:, start : start + t], self.sin[:, start : start + t]
         end = start + t
         for layer, keys, values in zip(self.layers, self.keys, self.values):
-            q, k, v = first(layer, h, cos, sin, self.rope)
+            q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
             keys[:, :, start:end] = k
             values[:, :, start:end] = v
-            h = second(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start, self.scale))
+            h = attention_output_and_mlp(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start, self.scale))
         self.position = end
         return self.head(self.norm(h[:, -1:]))[:, 0]

@@ -9,6 +9,7 @@ Where compilation fails, decoding continues eagerly after one warning.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,15 +18,18 @@ from pathlib import Path
 
 import torch
 
-from .decoder import FastDecoder, attention_inputs, attention_output_and_mlp, unsupported_reason
+from .decoder import FastDecoder, decode_step, unsupported_reason
+from .modules import Int4Linear
 
 log = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {
-    # Round every intermediate to bf16 where eager does, so compiled greedy tokens equal eager ones.
+    # Round every intermediate to bf16 where eager does.
     "emulate_precision_casts": True,
-    # Each call gets a different (but identically shaped, see unsupported_reason) layer: guarding
-    # every module attribute costs more than a small layer's kernels. Tensor guards stay.
+    # The graph's kernel calls from generated C++ rather than Python: per-call overhead is what
+    # a small model's decode step is made of.
+    "cpp_wrapper": True,
+    # The decoder never changes module attributes after load; tensor guards stay.
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
 }
 _warned: set[str] = set()
@@ -76,11 +80,12 @@ def _compile(decoder: FastDecoder, artifacts: Path) -> None:
             loaded = True
         except Exception as e:  # a stale or truncated file only costs a fresh compile
             log.info("ignoring compiled artifacts %s: %s", artifacts, e)
-    decoder.compiled = tuple(
-        torch.compile(fn, dynamic=False, options=INDUCTOR_OPTIONS)
-        for fn in (attention_inputs, attention_output_and_mlp)
-    )
+    for module in (*decoder.layers.modules(), decoder.head):
+        if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
+            module.use_custom_op = False
+    decoder.compiled = _compiled_step()
     try:
+        decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # the compiled step runs from position 1 on
         decoder.forward(torch.zeros(1, 1, dtype=torch.long))
     except Exception as e:
         decoder.compiled = None
@@ -91,6 +96,13 @@ def _compile(decoder: FastDecoder, artifacts: Path) -> None:
         decoder.reset()
     if not loaded:
         _save_artifacts(artifacts)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step():
+    """One compiled decode step per process, shared by every decoder (its graphs are reused
+    wherever the guards hold)."""
+    return torch.compile(decode_step, dynamic=False, options=INDUCTOR_OPTIONS)
 
 
 def _save_artifacts(path: Path) -> None:
