@@ -36,10 +36,15 @@ def is_bundled_output(folder: Path) -> bool:
 
 def build_default_model(out: Path, overwrite: bool = False) -> Path:
     """Write SmolLM2-135M-Instruct as a bf16 safetensors checkpoint (with tokenizer) to ``out``."""
+    return checkpoint_from_gguf(gguf_path(), out, overwrite)
+
+
+def checkpoint_from_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
+    """Dequantize a GGUF model (with its tokenizer) into a bf16 Hugging Face checkpoint at ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = gguf_path()
+    gguf = Path(gguf)
     with atomic_output_dir(Path(out), overwrite, replaceable=is_bundled_output) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(
@@ -48,6 +53,7 @@ def build_default_model(out: Path, overwrite: bool = False) -> Path:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
+        del model
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        (tmp / MARKER).write_text(f"{GGUF_FILE}\n")
+        (tmp / MARKER).write_text(f"{gguf.name}\n")
     return Path(out)

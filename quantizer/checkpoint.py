@@ -50,11 +50,14 @@ class TensorInfo:
 def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise InputError(f"{model_dir}: no config.json; point --model at a Hugging Face model folder")
+        raise InputError(f"{model_dir}: no config.json, so this is not a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: holds a JSON {type(config).__name__}, not an object of model settings")
+    return config
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
@@ -173,60 +176,6 @@ def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     raise InputError(f"{model_dir}: no safetensors weights found")
 
 
-class ShardWriter:
-    """Write tensors into shards of at most ``max_shard_bytes`` (a single tensor may exceed it).
-
-    Shards are written as they fill, so at most one shard's tensors are held in memory.
-    :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` and writes the index, or a
-    single ``model.safetensors`` when everything fit in one.
-    """
-
-    def __init__(self, out_dir: Path, max_shard_bytes: int):
-        self.dir = Path(out_dir)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._written: list[tuple[Path, list[str], int]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.contiguous()
-        self._pending_bytes += nbytes
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        path = self.dir / f".shard-{len(self._written) + 1:05d}.safetensors"
-        write_safetensors(path, self._pending)
-        self._written.append((path, list(self._pending), self._pending_bytes))
-        self._pending, self._pending_bytes = {}, 0
-        release_free_memory()
-
-    def finish(self) -> list[Path]:
-        """Flush, rename the shards to their final names, write the index; return the shard paths."""
-        self._flush()
-        count = len(self._written)
-        if count == 1:
-            final = self.dir / SINGLE_NAME
-            self._written[0][0].rename(final)
-            return [final]
-        weight_map, paths, total = {}, [], 0
-        for i, (path, names, nbytes) in enumerate(self._written, start=1):
-            final = self.dir / f"model-{i:05d}-of-{count:05d}.safetensors"
-            path.rename(final)
-            paths.append(final)
-            total += nbytes
-            weight_map.update({n: final.name for n in names})
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        return paths
-
-
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
 def proc_status_mb(key: str) -> float:
     """A /proc/self/status field (RssAnon, VmHWM, VmRSS ...) in MiB; 0 where unavailable."""
     try:
@@ -246,24 +195,6 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a safetensors file straight from tensor memory (no serialized copy in RAM)."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            if t.numel():
-                f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:
@@ -323,3 +254,4 @@ def resolve_model_dir(model: str) -> Path:
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(f"{model}: not a local folder and could not be fetched from the Hub ({reason})") from None
+

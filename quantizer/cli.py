@@ -4,6 +4,7 @@ exit code. No quantization logic lives here."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import resource
@@ -24,22 +25,50 @@ class Int4qGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except Int4qError as e:
-            raise click.ClickException(str(e)) from None
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
-            raise
-        except KeyboardInterrupt:
-            click.echo("int4q: interrupted", err=True)
+        except BaseException as e:
+            _close_progress_bars()  # so the message starts a line of its own
+            if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit)):
+                raise
+            self._exit_for(e)
+
+    @staticmethod
+    def _exit_for(e: BaseException):
+        kept = getattr(e, "int4q_kept", "")
+        if isinstance(e, Int4qError):
+            raise click.ClickException(str(e) + kept) from None
+        if isinstance(e, KeyboardInterrupt):
+            click.echo("int4q: interrupted" + kept, err=True)
             sys.exit(130)
-        except MemoryError:
-            raise click.ClickException("out of memory") from None
-        except Exception as e:  # an unexpected failure: still one line, with a way to see more
-            if os.environ.get("INT4Q_DEBUG") == "1":
-                traceback.print_exc()
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise click.ClickException(
-                f"internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)"
-            ) from None
+        if isinstance(e, MemoryError):
+            raise click.ClickException("out of memory" + kept) from None
+        if isinstance(e, OSError) and e.errno in OS_ERRORS:
+            where = e.filename or "the output"
+            raise click.ClickException(OS_ERRORS[e.errno].format(where=where) + kept) from None
+        # An unexpected failure: still one line, with a way to see more.
+        if os.environ.get("INT4Q_DEBUG") == "1":
+            traceback.print_exc()
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise click.ClickException(
+            f"internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)" + kept
+        ) from None
+
+
+OS_ERRORS = {
+    errno.ENOSPC: "no space left on the device while writing {where}; free space or choose another --out",
+    errno.EDQUOT: "disk quota exceeded while writing {where}; free space or choose another --out",
+    errno.EACCES: "permission denied: {where}; choose a folder you can write to",
+    errno.EPERM: "operation not permitted: {where}; choose a folder you can write to",
+    errno.EROFS: "read-only file system: {where}; choose a writable folder",
+}
+
+
+def _close_progress_bars() -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 @click.group(cls=Int4qGroup)
@@ -58,6 +87,9 @@ def peak_rss_mb() -> float:
     from .checkpoint import proc_status_mb
 
     return proc_status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+VERIFY_EXIT = {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}
 
 
 def _group_size(value: str) -> int | None:
@@ -107,7 +139,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     from tqdm import tqdm
 
     from .checkpoint import parse_size, resolve_model_dir
-    from .outdir import atomic_output_dir, check_output_target
+    from .outdir import atomic_output_dir, check_free_space, check_output_target, partial_dir
     from .pipeline import QuantizeOptions, plan_quantization, run_quantization
 
     if method != "gptq" and (calib or resume or checkpoint_format != "cpu_int4"):
@@ -125,6 +157,11 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     inputs = [model_dir] + ([calib] if calib else [])
     check_output_target(out, overwrite, inputs)
     plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
+    needed = plan.output_bytes()
+    if method == "gptq":  # layer files, then the shards; two sets of calibration activations
+        hidden = plan.source_config.get("hidden_size") or (plan.source_config.get("text_config") or {}).get("hidden_size", 0)
+        needed = 2 * needed + 2 * nsamples * seqlen * int(hidden or 0) * 4
+    check_free_space(out, needed)
     if method == "gptq":
         from .gptq_pipeline import GptqOptions, run_gptq
         from .runtime import load_tokenizer
@@ -135,8 +172,14 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
                                    checkpoint_format=checkpoint_format)
         tokenizer = load_tokenizer(model_dir)
         say = (lambda m: click.echo(f"int4q: {m}", err=True)) if progress else None
-        with atomic_output_dir(out, overwrite, keep_partial=True, resume=resume, inputs=inputs) as tmp:
-            report = run_gptq(plan, tmp, tokenizer, text, origin, gptq_options, resume=resume, progress=say)
+        try:
+            with atomic_output_dir(out, overwrite, keep_partial=True, resume=resume, inputs=inputs) as tmp:
+                report = run_gptq(plan, tmp, tokenizer, text, origin, gptq_options, resume=resume, progress=say)
+        except BaseException as e:
+            if partial_dir(out).exists():
+                e.int4q_kept = (f"; the finished layers are kept in {partial_dir(out)}: rerun the same command "
+                                "with --resume to continue, or delete that folder")
+            raise
     else:
         bar = tqdm(total=plan.reader.total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not progress,
                    file=sys.stderr)
@@ -261,7 +304,8 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
               help="Write a PNG of per-tensor SNR (and the KLD distribution).")
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads.")
 def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, json_path, plot_path, threads):
-    """Check a cpu_int4 checkpoint. Exit 0: every check passed; 1: a check failed; 2: bad usage."""
+    """Check a cpu_int4 checkpoint. Exit 0: PASS (every check ran and passed); 1: FAIL (a check
+    failed); 2: bad usage; 3: INCOMPLETE (a check could not run, e.g. the models would not load)."""
     import json
 
     import torch
@@ -287,8 +331,8 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
         from .verify_report import plot_report
 
         plot_report(report, plot_path)
-    click.echo("PASS" if report["ok"] else "FAIL")
-    sys.exit(0 if report["ok"] else 1)
+    click.echo(report["outcome"])
+    sys.exit(VERIFY_EXIT[report["outcome"]])
 
 
 @main.command()

@@ -26,14 +26,13 @@ from typing import Callable
 import torch
 
 from .calibration import calibration_windows
-from .checkpoint import proc_status_mb
-from .checkpoint import CheckpointReader, ShardWriter, copy_aux_files, release_free_memory, write_json, \
-    write_safetensors
+from .checkpoint import CheckpointReader, copy_aux_files, proc_status_mb, release_free_memory, write_json
+from .shards import ShardWriter, TensorSpec, file_specs, write_safetensors
 from .errors import InputError
 from .gptq_format import gptq_quantization_config, gptq_tensors
 from .gptq import ROW_CHUNK, HessianAccumulator, gptq_quantize, proxy_loss
 from .minmax import ErrorStats, GroupQuantized, quantize_groupwise
-from .pipeline import REPORT_NAME, QuantizationPlan, build_report, quantize_rtn
+from .pipeline import REPORT_NAME, QuantizationPlan, build_report, cpu_int4_specs, quantize_rtn
 from .structure import build_empty_model, decoder_layers
 
 log = logging.getLogger(__name__)
@@ -150,7 +149,7 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
     as_tuple = state.get("as_tuple", False)
     hidden, kwargs = _capture_inputs(model, layers, windows, all_samples=done == 0)
     if done:
-        hidden = _read_safetensors(state_dir / "hidden.safetensors")["hidden"]
+        hidden = _read_safetensors(_hidden_file(state_dir, done))["hidden"]
         say(f"resuming after layer {done}/{len(layers)}")
     for i in range(done, len(layers)):
         prefix = f"{layers_name}.{i}"
@@ -185,27 +184,33 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
         say(f"layer {i + 1}/{len(layers)} quantized in {time.perf_counter() - layer_start:.1f} s "
             f"(peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB)")
 
-    writer = ShardWriter(out_dir, plan.options.max_shard_bytes)
-    quantized_params = quantized_bytes = 0
-    for i in range(len(layers)):
-        layer_file = state_dir / f"layer-{i:05d}.safetensors"
-        for name, t in _read_safetensors(layer_file).items():
-            writer.add(name, t)
+    head_tensors: dict[str, torch.Tensor] = {}
     if head_name in plan.targets:
         say("quantizing the head on the final hidden states")
         H = _head_hessian(model, layers, reader, hidden, windows, as_tuple, head_name)
         W = reader.get(plan.targets[head_name])
         gq, stats = _quantize_linear(W, H, q, options)
         per_tensor[head_name] = {"source": plan.targets[head_name], "shape": list(W.shape), **stats}
-        for name, t in _tensors_of(head_name, gq, options).items():
-            writer.add(name, t)
+        head_tensors = _tensors_of(head_name, gq, options)
+        del H, W, gq
     layer_prefix = layers_name + "."
-    for name in sorted(reader.infos):
-        if name.startswith(layer_prefix) or name in plan.dropped:
-            continue
+    rest = [name for name in sorted(reader.infos)
+            if not (name.startswith(layer_prefix) or name in plan.dropped or name.removesuffix(".weight") == head_name
+                    and head_name in plan.targets)]
+    specs = [spec for i in range(len(layers)) for spec in file_specs(_layer_file(state_dir, i))]
+    specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
+    for name in rest:
+        info, module = reader.infos[name], name.removesuffix(".weight")
+        specs += (cpu_int4_specs(module, info.shape, q.group_size) if module in plan.targets
+                  else [TensorSpec(name, info.dtype, info.shape)])
+    writer = ShardWriter(out_dir, specs, plan.options.max_shard_bytes)
+    for i in range(len(layers)):
+        for name, t in _read_safetensors(_layer_file(state_dir, i)).items():
+            writer.add(name, t)
+    for name, t in head_tensors.items():
+        writer.add(name, t)
+    for name in rest:
         module = name.removesuffix(".weight")
-        if module == head_name and module in plan.targets:
-            continue
         tensor = reader.get(name)
         if module in plan.targets:  # the vocabulary table: round-to-nearest
             tensors, stats = quantize_rtn(tensor, q)
@@ -215,6 +220,7 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
         else:
             writer.add(name, tensor)
     gptq_format = options.checkpoint_format == "gptq"
+    quantized_params = quantized_bytes = 0
     for module, entry in per_tensor.items():
         n, k = entry["shape"]
         quantized_params += n * k
@@ -350,6 +356,16 @@ def _head_hessian(model, layers, reader, hidden, windows, as_tuple, head_name) -
     return acc.H
 
 
+def _hidden_file(state_dir: Path, layers_done: int) -> Path:
+    """The hidden states after the first ``layers_done`` layers: named by that count, so a state
+    can only ever be paired with the activations it was saved with."""
+    return state_dir / f"hidden-{layers_done:05d}.safetensors"
+
+
+def _layer_file(state_dir: Path, index: int) -> Path:
+    return state_dir / f"layer-{index:05d}.safetensors"
+
+
 def _load_state(state_dir: Path, fp: str, resume: bool) -> dict:
     """The saved progress of an earlier run with the same fingerprint (with ``resume``), else a fresh start."""
     fresh = {"layers_done": 0, "tensors": {}}
@@ -360,23 +376,33 @@ def _load_state(state_dir: Path, fp: str, resume: bool) -> dict:
         shutil.rmtree(state_dir, ignore_errors=True)
         state_dir.mkdir(parents=True)
         return fresh
-    state = json.loads(path.read_text())
+    restart = "rerun without --resume to start over"
+    try:
+        state = json.loads(path.read_text())
+        done = int(state["layers_done"])
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{path} is corrupt; {restart}") from None
     if state.get("fingerprint") != fp:
-        raise InputError("the interrupted run was made with different inputs or settings; "
-                         "rerun without --resume to start over")
+        raise InputError(f"the interrupted run was made with different inputs or settings; {restart}")
+    needed = [_layer_file(state_dir, i) for i in range(done)] + ([_hidden_file(state_dir, done)] if done else [])
+    missing = [p.name for p in needed if not p.is_file()]
+    if missing:
+        raise InputError(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
     return state
 
 
 def _save_state(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_tuple: bool,
                 layer_tensors: dict[str, torch.Tensor], hidden: torch.Tensor) -> None:
-    """Persist one finished layer: its tensors, the hidden states after it, then (last) the
-    state that says it is done, each written to a temporary name and renamed."""
-    for name, tensors in ((f"layer-{layers_done - 1:05d}.safetensors", layer_tensors),
-                          ("hidden.safetensors", {"hidden": hidden})):
-        tmp = state_dir / (name + ".tmp")
+    """Persist one finished layer: its tensors and the hidden states after it (each under a name
+    of its own), then the state that says it is done, each written to a temporary name and
+    renamed; only then the previous layer's hidden states go."""
+    for path, tensors in ((_layer_file(state_dir, layers_done - 1), layer_tensors),
+                          (_hidden_file(state_dir, layers_done), {"hidden": hidden})):
+        tmp = path.with_name(path.name + ".tmp")
         write_safetensors(tmp, tensors)
-        tmp.replace(state_dir / name)
+        tmp.replace(path)
     tmp = state_dir / "state.json.tmp"
     tmp.write_text(json.dumps({"fingerprint": fp, "layers_done": layers_done, "tensors": per_tensor,
                                "as_tuple": as_tuple}))
     tmp.replace(state_dir / "state.json")
+    _hidden_file(state_dir, layers_done - 1).unlink(missing_ok=True)

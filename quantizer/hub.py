@@ -38,20 +38,29 @@ def upload_files(folder: Path) -> list[UploadFile]:
 
 
 def check_publishable(folder: Path) -> None:
-    """Raise InputError unless verify's structural check passes (GPTQ-format exports: their
-    shards must be readable)."""
+    """Raise InputError unless the folder is one verify would pass: its structural check passes
+    (GPTQ-format exports: their shards are readable), its tokenizer loads, and a verify report
+    saved in it, if any, says PASS."""
     from .checkpoint import CheckpointReader, read_config
+    from .runtime import load_tokenizer
     from .verify import check_structure
 
     qc = read_config(folder).get("quantization_config") or {}
     if qc.get("quant_method") == "gptq":
         CheckpointReader(folder)
-        return
-    result, _ = check_structure(folder)
-    if not result.ok:
-        more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
-        raise InputError(f"{folder} fails verify's structural check: {result.problems[0]}{more}; "
-                         "fix it or pass --no-verify")
+    else:
+        result, _ = check_structure(folder)
+        if not result.ok:
+            more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
+            raise InputError(f"{folder} fails verify's structural check: {result.problems[0]}{more}; "
+                             "fix it or pass --no-verify")
+    load_tokenizer(folder)
+    report = _read_json(folder / "verify_report.json")
+    if isinstance(report, dict):
+        outcome = report.get("outcome") or ("PASS" if report.get("ok") else "FAIL")
+        if outcome != "PASS":
+            raise InputError(f"{folder}/verify_report.json says {outcome}; run int4q verify again once it passes, "
+                             "or pass --no-verify")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -110,9 +119,11 @@ def model_card(folder: Path, repo_id: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _describe(e: Exception) -> str:
+def _describe(e: Exception, token: str | None = "given") -> str:
     response = getattr(e, "response", None)
     status = getattr(response, "status_code", None)
+    if status == 401 and token is None:
+        return "the server needs a token (401 Unauthorized); pass --token, set HF_TOKEN or run `hf auth login`"
     if status == 401:
         return "the server refused the token (401 Unauthorized); check --token or HF_TOKEN"
     if status == 403:
@@ -132,15 +143,28 @@ def push(folder: Path, repo_id: str, token: str | None, endpoint: str | None, pr
          revision: str | None, commit_message: str | None) -> str:
     """Create the repository (existing is fine), write a model card if there is none, and upload
     the folder in one commit. Returns the commit URL."""
-    from huggingface_hub import HfApi
     from huggingface_hub.utils import disable_progress_bars
 
     # Its bars end without a newline when an upload fails, so the error would share their line.
     disable_progress_bars()
     folder = Path(folder)
     card = folder / CARD_NAME
-    if not card.exists():
+    wrote_card = not card.exists()
+    if wrote_card:
         card.write_text(model_card(folder, repo_id))
+    try:
+        return _upload(folder, repo_id, token, endpoint, private, revision, commit_message)
+    except BaseException:
+        if wrote_card:  # a failed push leaves the folder as it was
+            card.unlink(missing_ok=True)
+        raise
+
+
+def _upload(folder: Path, repo_id: str, token: str | None, endpoint: str | None, private: bool,
+            revision: str | None, commit_message: str | None) -> str:
+    """One commit with everything in ``folder``, retried on transient failures."""
+    from huggingface_hub import HfApi
+
     api = HfApi(endpoint=endpoint, token=token)
     last: Exception | None = None
     for attempt in range(1, RETRIES + 1):
@@ -156,9 +180,9 @@ def push(folder: Path, repo_id: str, token: str | None, endpoint: str | None, pr
             last = e
             if not _transient(e) or attempt == RETRIES:
                 break
-            log.warning("push attempt %d failed (%s); retrying", attempt, _describe(e))
+            log.warning("push attempt %d failed (%s); retrying", attempt, _describe(e, token))
             time.sleep(2 ** (attempt - 1))
-    raise PushError(f"push to {repo_id} failed: {_describe(last)}")
+    raise PushError(f"push to {repo_id} failed: {_describe(last, token)}")
 
 
 def resolve_token(token: str | None) -> str | None:

@@ -65,6 +65,17 @@ def check_output_target(
     return target
 
 
+def check_free_space(out: Path, needed_bytes: int) -> None:
+    """Raise InputError when the file system that will hold ``out`` has less than ``needed_bytes`` free."""
+    folder = Path(out).resolve().parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise InputError(f"{folder} has {free / 1e9:.2f} GB free, but writing {Path(out).name} needs about "
+                         f"{needed_bytes / 1e9:.2f} GB; free space or choose another --out")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(
     out: Path,

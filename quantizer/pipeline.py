@@ -15,11 +15,12 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointReader, ShardWriter, TensorInfo, copy_aux_files, read_config, write_json
+from .checkpoint import CheckpointReader, TensorInfo, copy_aux_files, read_config, write_json
 from .config import GROUP_SIZES, QuantizationConfig, matches_ignore
 from .errors import InputError
 from .minmax import ErrorStats, quantize_groupwise
 from .outdir import REPORT_NAME
+from .shards import ShardWriter, TensorSpec
 from .packing import PACK_N_ALIGN, QUANT_SUFFIXES
 from .structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
 
@@ -70,6 +71,25 @@ class QuantizationPlan:
         if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg["text_config"]:
             cfg["text_config"]["tie_word_embeddings"] = self.tied_output
         return cfg
+
+    def reading_order(self) -> list[tuple[TensorInfo, list[str]]]:
+        """Each source tensor that is written (the dropped are not), in reading order, with the
+        output modules quantized from it (empty: copied)."""
+        infos = sorted(self.reader.infos.values(), key=lambda i: (str(i.file), i.name))
+        return [(i, self.sources_of(i.name)) for i in infos if i.name not in self.dropped]
+
+    def output_specs(self) -> list[TensorSpec]:
+        """Every tensor the output will hold, in writing order."""
+        specs = []
+        for info, modules in self.reading_order():
+            if not modules:
+                specs.append(TensorSpec(info.name, info.dtype, info.shape))
+            for module in modules:
+                specs += cpu_int4_specs(module, info.shape, self.qconfig.group_size)
+        return specs
+
+    def output_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.output_specs())
 
     def sources_of(self, tensor_name: str) -> list[str]:
         """Output modules quantized from this checkpoint tensor (empty: copy it)."""
@@ -206,18 +226,15 @@ def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn
     """
     start = time.perf_counter()
     q = plan.qconfig
-    writer = ShardWriter(out_dir, plan.options.max_shard_bytes)
+    writer = ShardWriter(out_dir, plan.output_specs(), plan.options.max_shard_bytes)
     per_tensor: dict[str, dict] = {}
     quantized_params = quantized_bytes = 0
-    infos = sorted(plan.reader.infos.values(), key=lambda i: (str(i.file), i.name))
-    for info in infos:
+    if progress:
+        for name in sorted(plan.dropped):
+            progress(name, plan.reader.infos[name].nbytes)
+    for info, modules in plan.reading_order():
         name = info.name
-        if name in plan.dropped:
-            if progress:
-                progress(name, info.nbytes)
-            continue
         tensor = plan.reader.get(name)
-        modules = plan.sources_of(name)
         if not modules:
             writer.add(name, tensor)
         for module in modules:
@@ -237,6 +254,15 @@ def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn
     report["summary"]["seconds"] = round(time.perf_counter() - start, 3)
     write_json(out_dir / REPORT_NAME, report)
     return report
+
+
+def cpu_int4_specs(module: str, shape: tuple[int, ...], group_size: int) -> list[TensorSpec]:
+    """The three cpu_int4 tensors of a [N, K] weight quantized at ``group_size``."""
+    n, k = shape
+    groups = (n, k // group_size)
+    return [TensorSpec(f"{module}.weight_packed", torch.uint8, (n, k // 2)),
+            TensorSpec(f"{module}.weight_scale", torch.bfloat16, groups),
+            TensorSpec(f"{module}.weight_zero", torch.bfloat16, groups)]
 
 
 ROW_CHUNK = 2048  # rows quantized at a time, bounding fp32 temporaries to a few MB per 1k columns

@@ -41,7 +41,13 @@ def build_config(config_dict: dict):
     try:
         return AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as e:
-        raise UnsupportedError(f"transformers cannot build model_type {model_type!r} ({e})") from None
+        import transformers
+
+        detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if "Unrecognized model" in str(e) or isinstance(e, KeyError):
+            detail = "an unknown model type"
+        raise UnsupportedError(f"transformers {transformers.__version__} cannot build model_type {model_type!r} "
+                               f"({detail}); upgrade transformers or fix config.json") from None
 
 
 def build_empty_model(config_dict: dict) -> torch.nn.Module:

@@ -29,21 +29,27 @@ MAX_LISTED = 5
 
 @dataclass
 class CheckResult:
-    """One check: passed when ``problems`` is empty; ``problems`` name the tensor or key."""
+    """One check, with one of three outcomes: ``ok``; ``failed`` (``problems`` name the tensor or
+    key); ``could not run`` (``could_not_run`` says why; never a pass)."""
 
     name: str
     problems: list[str] = field(default_factory=list)
-    skipped: str | None = None
+    could_not_run: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and self.could_not_run is None
+
+    @property
+    def outcome(self) -> str:
+        return "failed" if self.problems else "could not run" if self.could_not_run else "ok"
 
     def fail(self, message: str) -> None:
         self.problems.append(message)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "ok": self.ok, "problems": self.problems, "skipped": self.skipped}
+        return {"name": self.name, "outcome": self.outcome, "ok": self.ok, "problems": self.problems,
+                "could_not_run": self.could_not_run}
 
 
 @dataclass
@@ -64,6 +70,11 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         qc = config.get("quantization_config")
         if qc is None:
             result.fail("config.json has no quantization_config")
+            return result, info
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method != "cpu_int4":
+            export = " (int4q's GPTQ export: vLLM and GPTQ loaders read it)" if method == "gptq" else ""
+            result.fail(f"this is a {method!r} checkpoint{export}; int4q verify checks cpu_int4 checkpoints")
             return result, info
         info.qconfig = QuantizationConfig.from_dict(qc)
         info.reader = CheckpointReader(qdir)
@@ -182,6 +193,7 @@ def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult
     quantized = set(info.quantized)
     tied_src = tie_word_embeddings(src_config)
     structure = inspect_structure(src_config)
+    copied = differing = 0
     for name in sorted(reader.infos):
         module, _, suffix = name.rpartition(".")
         if module in quantized:
@@ -190,8 +202,15 @@ def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult
             result.fail(f"{name}: not in the source checkpoint")
             continue
         a, b = reader.get(name), source.get(name)
+        copied += 1
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            differing += 1
             result.fail(f"{name}: differs from the source (copied tensors must be bit-identical)")
+    if copied and differing == copied:
+        dtypes = sorted({str(i.dtype).removeprefix("torch.") for i in source.infos.values()})
+        result.problems.insert(0, f"none of the {copied} copied tensors equals its source in {source_dir} "
+                                  f"(whose weights are {', '.join(dtypes)}): is --model the checkpoint this "
+                                  "was quantized from?")
     for module in sorted(quantized):
         src_name = f"{module}.weight"
         if src_name not in source.infos and tied_src and module == structure.head:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .errors import Int4qError
 from .verify import CheckResult, check_kernel_layout, check_round_trip, check_structure
 
 
@@ -38,14 +37,23 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
                                       numbers, say))
     lines = []
     for c in checks:
-        lines.append(f"[{'ok' if c.ok else 'FAILED'}] {c.name}" + (f" ({c.skipped})" if c.skipped else ""))
+        label = {"ok": "ok", "failed": "FAILED", "could not run": "COULD NOT RUN"}[c.outcome]
+        lines.append(f"[{label}] {c.name}" + (f": {c.could_not_run}" if c.could_not_run else ""))
         lines.extend(f"    {p}" for p in c.problems[:10])
         if len(c.problems) > 10:
             lines.append(f"    ... and {len(c.problems) - 10} more")
     report["checks"] = [c.as_dict() for c in checks]
     report["ok"] = all(c.ok for c in checks)
+    report["outcome"] = verdict(checks)
     report["summary_lines"] = lines + numbers
     return report
+
+
+def verdict(checks: list[CheckResult]) -> str:
+    """PASS when every check ran and passed, FAIL when one failed, else INCOMPLETE."""
+    if any(c.problems for c in checks):
+        return "FAIL"
+    return "PASS" if all(c.ok for c in checks) else "INCOMPLETE"
 
 
 def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say) -> CheckResult:
@@ -57,8 +65,9 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     try:
         tokenizer = load_tokenizer(qdir)
         reference, quantized = load_model(source), load_model(qdir)
-    except Int4qError as e:
-        result.skipped = f"cannot run the models: {e}"
+    except Exception as e:  # whatever stops the models from loading, the check did not run
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        result.could_not_run = f"cannot load the models ({first})"
         return result
     body, origin = load_text(text, "eval")
     windows = token_windows(tokenizer, body, ctx, max_windows)

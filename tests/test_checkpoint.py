@@ -2,30 +2,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from quantizer.checkpoint import (
-    CheckpointReader,
-    ShardWriter,
-    copy_aux_files,
-    parse_size,
-    write_safetensors,
-)
+from quantizer.checkpoint import CheckpointReader, copy_aux_files, parse_size
 from quantizer.errors import InputError
-
-
-def test_written_safetensors_load_back_identically(tmp_path):
-    tensors = {
-        "a": torch.randn(3, 5).to(torch.bfloat16),
-        "b": torch.arange(7, dtype=torch.uint8),
-        "c": torch.randn(2, 2, dtype=torch.float32),
-        "empty": torch.zeros(0, 4, dtype=torch.float16),
-    }
-    write_safetensors(tmp_path / "x.safetensors", tensors)
-    back = load_file(tmp_path / "x.safetensors")
-    assert back.keys() == tensors.keys()
-    for k, v in tensors.items():
-        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
 
 
 def test_reader_reads_what_safetensors_wrote(tmp_path):
@@ -37,28 +17,6 @@ def test_reader_reads_what_safetensors_wrote(tmp_path):
     assert reader.infos["w"].shape == (16, 8)
     for k in t:
         assert torch.equal(reader.get(k), t[k])
-
-
-def test_shard_writer_caps_shards_and_writes_an_index(tmp_path):
-    writer = ShardWriter(tmp_path, max_shard_bytes=1000)
-    tensors = {f"t{i}": torch.full((100,), float(i), dtype=torch.float32) for i in range(5)}  # 400 B each
-    for k, v in tensors.items():
-        writer.add(k, v)
-    paths = writer.finish()
-    assert [p.name for p in paths] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert index["weight_map"]["t4"] == "model-00003-of-00003.safetensors"
-    assert index["metadata"]["total_size"] == 2000
-    reader = CheckpointReader(tmp_path)
-    for k, v in tensors.items():
-        assert torch.equal(reader.get(k), v)
-
-
-def test_single_shard_is_named_model_safetensors(tmp_path):
-    writer = ShardWriter(tmp_path, max_shard_bytes=10**9)
-    writer.add("x", torch.ones(4))
-    assert [p.name for p in writer.finish()] == ["model.safetensors"]
-    assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
 def _model_dir(tmp_path, tensors=None):

@@ -111,15 +111,47 @@ def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byt
     interrupted_run(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, monkeypatch)
     assert json.loads((tmp_path / "resumed" / gp.STATE_DIR / "state.json").read_text())["layers_done"] == 1
     streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, resume=True)
-    whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
-    assert whole == sorted(p.name for p in (tmp_path / "resumed").iterdir())
-    for name in whole:
-        a = (tmp_path / "whole" / name).read_bytes()
-        b = (tmp_path / "resumed" / name).read_bytes()
+    assert_same_outputs(tmp_path / "whole", tmp_path / "resumed")
+
+
+def assert_same_outputs(a_dir, b_dir):
+    names = sorted(p.name for p in a_dir.iterdir())
+    assert names == sorted(p.name for p in b_dir.iterdir())
+    for name in names:
+        a, b = (a_dir / name).read_bytes(), (b_dir / name).read_bytes()
         if name == "quantization_report.json":  # wall time differs; every number else must not
             a, b = json.loads(a), json.loads(b)
             a["summary"].pop("seconds"), b["summary"].pop("seconds")
         assert a == b, name
+
+
+def test_a_kill_between_hidden_states_and_state_resumes_from_the_right_layer(tiny_model_tok, byte_tokenizer,
+                                                                            tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
+    interrupted_run(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, monkeypatch)
+    state = tmp_path / "resumed" / gp.STATE_DIR
+    # What a kill right after layer 2's activations were renamed into place leaves: they exist,
+    # but state.json still says one layer is done.
+    ahead = load_file(str(state / "hidden-00001.safetensors"))["hidden"] * 2
+    save_file({"hidden": ahead}, str(state / "hidden-00002.safetensors"))
+    (state / "layer-00001.safetensors.tmp").write_bytes(b"half-written")
+    streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, resume=True)
+    assert_same_outputs(tmp_path / "whole", tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("damage", ["missing hidden states", "corrupt state"])
+def test_an_inconsistent_state_is_refused_in_one_line(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch, damage):
+    interrupted_run(tiny_model_tok, tmp_path / "q", byte_tokenizer, monkeypatch)
+    state = tmp_path / "q" / gp.STATE_DIR
+    if damage == "missing hidden states":
+        (state / "hidden-00001.safetensors").unlink()
+    else:
+        (state / "state.json").write_text('{"layers_done": ')
+    with pytest.raises(InputError, match="incomplete|corrupt") as caught:
+        streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer, resume=True)
+    assert "without --resume" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_resume_with_different_settings_is_refused(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import yaml
 from click.testing import CliRunner
 from huggingface_hub import hf_hub_download
 
+from conftest import save_byte_tokenizer
 from hub_server import HubServer
 from quantizer.cli import main
 
@@ -26,7 +27,9 @@ def hub():
 
 @pytest.fixture
 def folder(tiny_q, tmp_path):
-    return shutil.copytree(tiny_q, tmp_path / "model")
+    folder = shutil.copytree(tiny_q, tmp_path / "model")
+    save_byte_tokenizer(folder)
+    return folder
 
 
 def push(folder, hub_url, *extra, token=TOKEN):
@@ -134,6 +137,29 @@ def test_a_folder_failing_verify_is_not_pushed(hub, folder):
     result = push(folder, hub.url, "--repo-id", "alice/broken")
     assert result.exit_code == 1 and "fails verify's structural check" in result.stderr
     assert "alice/broken" not in hub.state.repos
+
+
+@pytest.mark.parametrize("fault", ["no tokenizer", "verify said FAIL", "verify said INCOMPLETE"])
+def test_a_folder_verify_would_not_pass_is_not_pushed(hub, folder, fault):
+    import json
+
+    if fault == "no tokenizer":
+        for p in folder.glob("tokenizer*"):
+            p.unlink()
+    else:
+        outcome = fault.rsplit(" ", 1)[1]
+        (folder / "verify_report.json").write_text(json.dumps({"ok": False, "outcome": outcome}))
+    result = push(folder, hub.url, "--repo-id", "alice/unrunnable")
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "alice/unrunnable" not in hub.state.repos and not (folder / "README.md").exists()
+
+
+def test_push_without_any_token_says_how_to_give_one(hub, folder, monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    result = push(folder, hub.url, "--repo-id", "alice/anon", token=None)
+    assert result.exit_code == 1 and "needs a token" in result.stderr and "refused" not in result.stderr
+    assert not (folder / "README.md").exists()  # a failed push leaves the folder as it was
 
 
 def test_push_real_smollm2_checkpoint(hub, smollm2_g64, tmp_path):

@@ -140,3 +140,14 @@ def test_generation_stats_count_tokens(tiny_model):
     stats = GenerationStats()
     "".join(generate_text(load_model(tiny_model), tokenizer, "abc", 7, compile=False, stats=stats))
     assert stats.prompt_tokens == 3 and 1 <= stats.new_tokens <= 7 and stats.first_token_at <= stats.last_token_at
+
+
+def test_two_models_in_one_process_each_get_their_own_graph(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(5))
+    for options in ({"group_size": 64}, {"group_size": 32}, None):  # other scale shapes, then bf16
+        path = quantize_to(tiny_model, tmp_path / f"q{len(list(tmp_path.iterdir()))}", **options) if options else tiny_model
+        model = load_model(path)
+        compiled, eager = fastpath.open_decoder(model, 16), fastpath.open_decoder(model, 16, compile=False)
+        assert compiled.compiled is not None
+        assert list(fast_greedy(compiled, ids, 8, set())) == list(fast_greedy(eager, ids, 8, set()))

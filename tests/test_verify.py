@@ -10,12 +10,17 @@ from safetensors.torch import load_file, save_file
 
 from quantizer.cli import main
 
+from conftest import save_byte_tokenizer
+
 TARGET = "model.layers.1.mlp.down_proj"
 
 
-@pytest.fixture
-def good(tiny_q):
-    return tiny_q
+@pytest.fixture(scope="module")
+def good(tiny_q, tmp_path_factory):
+    """The tiny quantized model with a tokenizer, so that every check can run."""
+    folder = shutil.copytree(tiny_q, tmp_path_factory.mktemp("good") / "q")
+    save_byte_tokenizer(folder)
+    return folder
 
 
 def verify(qdir, source=None, *extra):
@@ -37,6 +42,43 @@ def test_good_tiny_checkpoint_passes(good, tiny_model):
     assert result.exit_code == 0, result.output
     assert "[ok] structure" in result.stdout and "[ok] round trip" in result.stdout
     assert "[ok] kernel layout" in result.stdout and result.stdout.strip().endswith("PASS")
+
+
+def test_a_check_that_cannot_run_is_not_a_pass(tiny_q, tiny_model, tmp_path):
+    """No tokenizer: the end-to-end check cannot load the models, so verify cannot say PASS."""
+    result = verify(tiny_q, tiny_model)
+    assert result.exit_code == 3, result.output
+    assert "[COULD NOT RUN] end to end: cannot load the models" in result.stdout
+    assert result.stdout.strip().endswith("INCOMPLETE")
+
+
+def test_a_config_that_does_not_match_the_tensors_fails(good, tiny_model, tmp_path):
+    bad = shutil.copytree(good, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] = 320
+    (bad / "config.json").write_text(json.dumps(config))
+    result = verify(bad, tiny_model)
+    assert result.exit_code == 1 and "the model expects [320, 128]" in result.stdout
+
+
+def test_a_gptq_export_is_named_as_such(good, tmp_path):
+    bad = shutil.copytree(good, tmp_path / "g")
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 64}
+    (bad / "config.json").write_text(json.dumps(config))
+    result = verify(bad)
+    assert result.exit_code == 1 and "this is a 'gptq' checkpoint (int4q's GPTQ export" in result.stdout
+
+
+def test_a_different_source_is_named_as_the_likely_cause(good, tmp_path):
+    from conftest import save_tiny_llama
+
+    other = save_tiny_llama(tmp_path / "other", dtype=torch.float16, shard=None, initializer_range=0.05)
+    result = verify(good, other)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[1] == "[FAILED] round trip"  # and its first problem names the likely cause
+    assert "is --model the checkpoint this was quantized from?" in lines[2] and "float16" in lines[2]
 
 
 def flip_packed_byte(t, _):

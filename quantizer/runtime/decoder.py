@@ -43,9 +43,6 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and max_len > window:
         return f"{max_len} tokens exceed the sliding window of {window}"
-    shapes = {_signature(layer) for layer in base.layers}
-    if len(shapes) != 1:
-        return "its decoder layers differ in structure"
     for layer in base.layers:
         children = {n for n, _ in layer.named_children()}
         attn = {n for n, _ in layer.self_attn.named_children()} if hasattr(layer, "self_attn") else set()
@@ -53,13 +50,6 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
         if children < LAYER_CHILDREN or extra:
             return f"decoder layer {type(layer).__name__} has other parts ({', '.join(sorted(extra)) or 'missing'})"
     return None
-
-
-def _signature(layer: torch.nn.Module) -> tuple:
-    """Module types and tensor shapes of a layer: equal signatures can share one compiled graph."""
-    modules = tuple((n, type(m).__name__) for n, m in layer.named_modules())
-    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
-    return modules, tensors
 
 
 def _projections(attn, x):

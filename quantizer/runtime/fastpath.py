@@ -29,8 +29,6 @@ INDUCTOR_OPTIONS = {
     # The graph's kernel calls from generated C++ rather than Python: per-call overhead is what
     # a small model's decode step is made of.
     "cpp_wrapper": True,
-    # The decoder never changes module attributes after load; tensor guards stay.
-    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
 }
 _warned: set[str] = set()
 
