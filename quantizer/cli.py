@@ -157,11 +157,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     inputs = [model_dir] + ([calib] if calib else [])
     check_output_target(out, overwrite, inputs)
     plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
-    needed = plan.output_bytes()
-    if method == "gptq":  # layer files, then the shards; two sets of calibration activations
-        hidden = plan.source_config.get("hidden_size") or (plan.source_config.get("text_config") or {}).get("hidden_size", 0)
-        needed = 2 * needed + 2 * nsamples * seqlen * int(hidden or 0) * 4
-    check_free_space(out, needed)
+    check_free_space(out, plan.disk_bytes_needed(nsamples * seqlen if method == "gptq" else 0))
     if method == "gptq":
         from .gptq_pipeline import GptqOptions, run_gptq
         from .runtime import load_tokenizer

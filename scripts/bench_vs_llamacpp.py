@@ -97,6 +97,38 @@ def make_q4_0(source: Path, out: Path) -> Path:
     return out
 
 
+def read_bandwidth_gbs(gib: float = 1.0) -> float:
+    """Best of 5 at summing an fp32 buffer far larger than the caches, with the benchmark's threads (GB/s)."""
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def decode_bytes_int4q(path: str) -> int:
+    """Bytes one decode step reads: every tensor but an untied vocabulary table (one row is looked up)."""
+    from quantizer.checkpoint import CheckpointReader, read_config
+    from quantizer.structure import inspect_structure, tie_word_embeddings
+
+    config = read_config(Path(path))
+    structure = inspect_structure(config)
+    infos = CheckpointReader(Path(path)).infos
+    table = structure.embedding if not tie_word_embeddings(config) else None
+    return sum(i.nbytes for n, i in infos.items() if not (table and n.startswith(table + ".")))
+
+
+def decode_bytes_gguf(path: str) -> int:
+    """Bytes one decode step reads from a GGUF: every tensor but token_embd when there is an output head."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+
+
 def time_to_first_token(model_dir: str, threads: int) -> dict:
     """``int4q generate --stats`` twice in fresh processes: with empty compile caches, then warm."""
     prompt = ["--prompt", "The capital of France is", "--max-new-tokens", "16", "--threads", str(threads), "--stats"]
@@ -123,6 +155,8 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ttft", action="store_true", help="time cold and warm starts of int4q generate")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="measure read bandwidth and report the fraction each arm's decode reaches")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,6 +198,17 @@ def main() -> None:
         a["tg_ratio_vs_" + str(reference)] = round(ratio, 3)
         print(f"{label:<14} {a['kind']:<20} {a['pp_median'] or 0:>9.1f} {a['tg_median']:>9.1f} {ratio:>9.2f} "
               f"{a['rss_anon_after_load_mb']:>12.1f}")
+    if args.bandwidth:
+        gbs = read_bandwidth_gbs()
+        report["read_bandwidth_gbs"] = round(gbs, 2)
+        print(f"measured read bandwidth ({args.threads} threads): {gbs:.1f} GB/s")
+        paths = {Path(p).name: p for p in args.int4} | ({"bf16": args.bf16} if args.bf16 else {})
+        for label, a in report["arms"].items():
+            nbytes = decode_bytes_gguf(dict(ggufs)[label]) if label in dict(ggufs) else decode_bytes_int4q(paths[label])
+            a["decode_bytes_per_token"] = nbytes
+            a["bandwidth_fraction"] = round(nbytes * a["tg_median"] / 1e9 / gbs, 3)
+            print(f"{label:<14} reads {nbytes / 1e6:8.1f} MB per token: {nbytes * a['tg_median'] / 1e9:5.2f} GB/s, "
+                  f"{100 * a['bandwidth_fraction']:.0f}% of measured bandwidth")
     if args.ttft and args.int4:
         report["time_to_first_token"] = time_to_first_token(args.int4[0], args.threads)
         for name, run in report["time_to_first_token"].items():

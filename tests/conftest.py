@@ -15,6 +15,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
+# Compiled decode steps go beside the other test caches, not into the user's ~/.cache.
+os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "compiled"))
 
 
 def save_tiny_llama(path: Path, tie: bool = True, dtype=torch.bfloat16, shard: str | None = "400KB", **overrides) -> Path:
@@ -99,3 +101,19 @@ def smollm2_g64(smollm2_bf16, tmp_path_factory) -> Path:
 def tiny_q(tiny_model, tmp_path_factory) -> Path:
     """The tiny model quantized at group 64 (single shard)."""
     return quantize_to(tiny_model, tmp_path_factory.mktemp("tinyq") / "q", group_size=64)
+
+
+def interrupt_gptq_at_second_layer(monkeypatch):
+    """Make the next GPTQ run raise KeyboardInterrupt as it loads decoder layer 1; returns the
+    function that undoes it."""
+    import quantizer.gptq_pipeline as gp
+
+    real = gp._materialize
+
+    def interrupt(module, prefix, *a, **k):
+        if prefix.endswith("layers.1"):
+            raise KeyboardInterrupt
+        return real(module, prefix, *a, **k)
+
+    monkeypatch.setattr(gp, "_materialize", interrupt)
+    return lambda: monkeypatch.setattr(gp, "_materialize", real)

@@ -8,6 +8,8 @@ from click.testing import CliRunner
 
 from quantizer.cli import main
 
+from conftest import interrupt_gptq_at_second_layer
+
 
 def run(*args, **kwargs):
     return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
@@ -153,16 +155,7 @@ def test_disk_full_mid_write_is_one_line_on_its_own_line(tiny_model, tmp_path, m
 
 
 def test_an_interrupted_gptq_run_says_what_it_kept_and_how_to_resume(tiny_model_tok, tmp_path, monkeypatch):
-    import quantizer.gptq_pipeline as gp
-
-    real = gp._materialize
-
-    def interrupt_at_second_layer(module, prefix, *a, **k):
-        if prefix.endswith("layers.1"):
-            raise KeyboardInterrupt
-        return real(module, prefix, *a, **k)
-
-    monkeypatch.setattr(gp, "_materialize", interrupt_at_second_layer)
+    interrupt_gptq_at_second_layer(monkeypatch)
     result = run("quantize", "--model", tiny_model_tok, "--out", tmp_path / "g", "--method", "gptq",
                  "--nsamples", 2, "--seqlen", 32, "--no-progress")
     assert result.exit_code == 130

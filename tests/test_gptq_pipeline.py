@@ -16,6 +16,8 @@ from quantizer.packing import unpack_nibbles
 from quantizer.pipeline import QuantizeOptions, plan_quantization
 from quantizer.textdata import builtin_text
 
+from conftest import interrupt_gptq_at_second_layer
+
 OPTIONS = gp.GptqOptions(nsamples=4, seqlen=64, seed=0)
 STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
@@ -93,17 +95,10 @@ def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, 
 
 def interrupted_run(src, out, tokenizer, monkeypatch):
     """A run interrupted (KeyboardInterrupt) as the second decoder layer is loaded."""
-    real = gp._materialize
-
-    def interrupt_at_second_layer(module, prefix, *a, **k):
-        if prefix.endswith("layers.1"):
-            raise KeyboardInterrupt
-        return real(module, prefix, *a, **k)
-
-    monkeypatch.setattr(gp, "_materialize", interrupt_at_second_layer)
+    undo = interrupt_gptq_at_second_layer(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         streamed(src, out, tokenizer)
-    monkeypatch.setattr(gp, "_materialize", real)
+    undo()
 
 
 def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
