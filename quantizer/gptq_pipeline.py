@@ -194,9 +194,10 @@ def run_gptq(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str, 
         head_tensors = _tensors_of(head_name, gq, options)
         del H, W, gq
     layer_prefix = layers_name + "."
+    head_done = head_name in plan.targets
     rest = [name for name in sorted(reader.infos)
-            if not (name.startswith(layer_prefix) or name in plan.dropped or name.removesuffix(".weight") == head_name
-                    and head_name in plan.targets)]
+            if not (name.startswith(layer_prefix) or name in plan.dropped
+                    or (head_done and name.removesuffix(".weight") == head_name))]
     specs = [spec for i in range(len(layers)) for spec in file_specs(_layer_file(state_dir, i))]
     specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
     for name in rest:
