@@ -22,8 +22,9 @@ def random_int4_linear(n, k, seed, bias=False):
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_linear_is_bit_identical_to_its_members(rows, bias):
-    members = [random_int4_linear(n, 128, seed, bias=bias and seed != 1) for seed, n in enumerate((128, 64, 64))]
+@pytest.mark.parametrize("sizes", [(128, 64, 64), (64, 48, 16)])  # whole kernel blocks, and not
+def test_fused_linear_is_bit_identical_to_its_members(rows, bias, sizes):
+    members = [random_int4_linear(n, 128, seed, bias=bias and seed != 1) for seed, n in enumerate(sizes)]
     fused = fuse_linears(members)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     with torch.inference_mode():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import codes_from_int4pack, pack_nibbles
+from ..packing import TINYGEMM_N_BLOCK, codes_from_int4pack, pack_nibbles
 from .modules import Int4Linear
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -85,17 +85,21 @@ def fuse_linears(members: list[Int4Linear]) -> Int4Linear:
     first = members[0]
     if any(m.in_features != first.in_features or m.group_size != first.group_size for m in members):
         raise ValueError("fused linears need the same input size and group size")
-    parts = [row_major_tensors(m) for m in members]
-    packed, scale, zero = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
     biases = [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16) for m in members]
     bias = torch.cat(biases) if any(m.bias is not None for m in members) else None
-    threshold = first.threshold
-    prefill_dequant = threshold < 2**62
-    return Int4Linear.from_row_major(
-        packed, scale, zero, first.group_size, threshold=threshold if prefill_dequant else 2,
-        prefill_dequant=prefill_dequant, direct_dequant=first.direct,
-        use_custom_op=first.use_custom_op, bias=bias,
-    )
+    prefill_dequant = first.threshold < 2**62
+    kwargs = dict(threshold=first.threshold if prefill_dequant else 2, prefill_dequant=prefill_dequant,
+                  direct_dequant=first.direct, use_custom_op=first.use_custom_op, bias=bias)
+    whole_blocks = all(m.out_features % TINYGEMM_N_BLOCK == 0 for m in members)
+    row_major = None
+    if not whole_blocks or any(m.packed is not None for m in members):
+        parts = [row_major_tensors(m) for m in members]
+        row_major = tuple(torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
+    if whole_blocks:  # the kernel layout is whole 64-channel blocks: stacking them is exact
+        int4pack = torch.cat([m.int4pack for m in members])
+        sz = torch.cat([m.sz for m in members], dim=1)
+        return Int4Linear(int4pack, sz, first.group_size, row_major=row_major, **kwargs)
+    return Int4Linear.from_row_major(*row_major, first.group_size, **kwargs)
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
