@@ -119,7 +119,7 @@ def model_card(folder: Path, repo_id: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _describe(e: Exception, token: str | None = "given") -> str:
+def _describe(e: Exception, token: str | None) -> str:
     response = getattr(e, "response", None)
     status = getattr(response, "status_code", None)
     if status == 401 and token is None:

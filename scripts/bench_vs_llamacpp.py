@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from quantizer.checkpoint import proc_status_mb, release_free_memory
 from quantizer.runtime import load_model
-from quantizer.runtime.bench import decode_tokens_per_s, describe_path, prefill_tokens_per_s
+from quantizer.runtime.bench import decode_tokens_per_s, describe_path, load_measured, prefill_tokens_per_s
 from quantizer.runtime.fastpath import open_decoder
 from quantizer.runtime.loader import import_architecture
 
@@ -39,10 +38,8 @@ Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 
 class TorchArm:
     def __init__(self, label: str, path: str, pp: int, tg: int):
-        release_free_memory()
-        before = proc_status_mb("RssAnon")
-        self.model = load_model(path)
-        self.rss_mb = proc_status_mb("RssAnon") - before
+        self.model, measured = load_measured(load_model, path, label)
+        self.rss_mb = measured.load_rss_anon_mb
         started = time.perf_counter()
         self.decoder = open_decoder(self.model, max(pp, 1) + tg + 1)
         self.label, self.kind, self.open_s = label, f"int4q ({describe_path(self.decoder)})", time.perf_counter() - started
@@ -58,11 +55,12 @@ class LlamaCppArm:
     def __init__(self, label: str, path: str, pp: int, tg: int, threads: int):
         import llama_cpp
 
-        release_free_memory()
-        before = proc_status_mb("RssAnon")
-        self.llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
+        def load(gguf):
+            return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
                                    n_ctx=max(pp, 1) + tg + 8, n_batch=max(pp, 1), use_mmap=False, verbose=False)
-        self.rss_mb = proc_status_mb("RssAnon") - before
+
+        self.llm, measured = load_measured(load, path, label)
+        self.rss_mb = measured.load_rss_anon_mb
         self.label, self.kind, self.open_s = label, "llama.cpp", 0.0
         self.vocab = self.llm.n_vocab()
 

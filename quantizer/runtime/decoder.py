@@ -107,7 +107,7 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
         q, k, v = attention_inputs(layer, h, cos, sin, rope)
         layer_keys[:, :, -1:].copy_(k)
         layer_values[:, :, -1:].copy_(v)
-        h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, 1, scale))
+        h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
     return head(norm(h))[:, 0]
 
 
