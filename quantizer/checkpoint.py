@@ -1,12 +1,8 @@
-"""Checkpoint I/O: read tensors one at a time from safetensors shards, write capped output
-shards with an index, copy tokenizer files.
-
-Nothing here knows about quantization; tensors go in and out unchanged.
-"""
+"""Checkpoint input: config.json, tensors read one at a time from safetensors shards, and the
+tokenizer files copied beside an output. Nothing here knows about quantization."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import shutil
@@ -15,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from .errors import InputError
-from .packing import QUANT_SUFFIXES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -136,16 +132,6 @@ class CheckpointReader:
         return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
 
 
-def read_quantized(reader: "CheckpointReader", module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed, scale, zero) of a quantized module; InputError naming the first one missing."""
-    names = [f"{module}.{s}" for s in QUANT_SUFFIXES]
-    missing = [n for n in names if n not in reader.infos]
-    if missing:
-        raise InputError(f"{missing[0]}: missing")
-    packed, scale, zero = (reader.get(n) for n in names)
-    return packed, scale, zero
-
-
 def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of a checkpoint, and its index's weight_map when it has one."""
     index = model_dir / INDEX_NAME
@@ -176,27 +162,6 @@ def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     raise InputError(f"{model_dir}: no safetensors weights found")
 
 
-def proc_status_mb(key: str) -> float:
-    """A /proc/self/status field (RssAnon, VmHWM, VmRSS ...) in MiB; 0 where unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def release_free_memory() -> None:
-    """Return freed heap pages to the OS (glibc). Tensors of a few MB come from the heap, and
-    without this a long stream of them fragments it so resident memory creeps up with model size."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def copy_aux_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer, generation-config and chat-template files (everything but weights,
     config.json, hidden files and the source's model card). Returns the names copied."""
@@ -213,45 +178,3 @@ def copy_aux_files(src: Path, dst: Path) -> list[str]:
 
 def write_json(path: Path, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n")
-
-
-def parse_size(text: str) -> int:
-    """'2GB', '500MB', '64KiB', '1000' -> bytes."""
-    t = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            t, factor = t[: -len(unit)], mult
-            break
-    else:
-        factor = 1
-    try:
-        value = float(t)
-    except ValueError:
-        raise InputError(f"cannot read size {text!r}; use e.g. 2GB, 500MB or 64KiB") from None
-    if value <= 0:
-        raise InputError(f"size must be positive, got {text!r}")
-    return int(value * factor)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """A local folder as is; otherwise treat ``model`` as a Hub repo id and fetch its files."""
-    path = Path(model)
-    if path.exists():
-        if not path.is_dir():
-            raise InputError(f"{model} is a file; --model takes a model folder or a Hub repo id")
-        return path
-    if model.count("/") != 1 or model.startswith((".", "/")):
-        raise InputError(f"{model}: no such folder")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(
-                model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
-            )
-        )
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise InputError(f"{model}: not a local folder and could not be fetched from the Hub ({reason})") from None
-

@@ -1,4 +1,5 @@
-"""The ``quantization_config`` block of a cpu_int4 checkpoint, to and from ``config.json``."""
+"""The ``quantization_config`` block of a cpu_int4 checkpoint, to and from ``config.json``: the
+runtime keys, the checkpoint-wide scheme, and per-module schemes that differ from it."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError, UnsupportedError
+from .scheme import KEPT_BITS, ModuleScheme
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
-GROUP_SIZES = (32, 64, 128, 256)
 METHODS = ("minmax", "gptq")
+CALIBRATED_METHODS = ("gptq",)  # each quantizes the head on its own inputs, so the head is written untied
 
 
 def matches_ignore(module_name: str, patterns) -> bool:
@@ -26,7 +28,9 @@ class QuantizationConfig:
 
     The runtime keys (``group_size``, ``ignore``, ``quantize_embedding``, ``prefill_dequant``,
     ``direct_dequant``, ``dequant_threshold``, ``use_custom_op``) are the ones the seed vLLM
-    runtime reads; the rest describe the run that produced the checkpoint.
+    runtime reads; the rest describe the run that produced the checkpoint. ``modules`` maps a
+    module name to its scheme where that differs from the checkpoint-wide one; it is written
+    only when not empty, so a checkpoint without it stays readable by the seed runtime.
     """
 
     group_size: int
@@ -43,6 +47,7 @@ class QuantizationConfig:
     bits: int = 4
     quant_method: str = QUANT_METHOD
     format_version: int = FORMAT_VERSION
+    modules: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.quant_method != QUANT_METHOD:
@@ -51,10 +56,7 @@ class QuantizationConfig:
             )
         if self.bits != 4:
             raise UnsupportedError(f"bits is {self.bits}; cpu_int4 checkpoints are 4-bit")
-        if self.group_size not in GROUP_SIZES:
-            raise UnsupportedError(
-                f"group_size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
-            )
+        ModuleScheme(self.bits, self.group_size, self.symmetric)  # raises for a group size the kernel lacks
         if self.format_version > FORMAT_VERSION:
             raise UnsupportedError(
                 f"format_version {self.format_version} is newer than this int4q ({FORMAT_VERSION}); upgrade int4q"
@@ -63,13 +65,31 @@ class QuantizationConfig:
             raise UnsupportedError(f"dequant_threshold must be an integer >= 1, got {self.dequant_threshold!r}")
         if self.method not in METHODS:
             raise UnsupportedError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+        if not isinstance(self.modules, dict):
+            raise UnsupportedError("quantization_config.modules must map module names to schemes")
+        for entry in self.modules.values():
+            ModuleScheme.from_dict(entry, self.default_scheme)
 
     def is_ignored(self, module_name: str) -> bool:
         return matches_ignore(module_name, self.ignore)
 
+    @property
+    def default_scheme(self) -> ModuleScheme:
+        return ModuleScheme(self.bits, self.group_size, self.symmetric)
+
+    def scheme_for(self, module_name: str) -> ModuleScheme:
+        """The module's scheme: its ``modules`` entry, kept for an ignored one, else the default."""
+        if module_name in self.modules:
+            return ModuleScheme.from_dict(self.modules[module_name], self.default_scheme)
+        if self.is_ignored(module_name):
+            return ModuleScheme(KEPT_BITS)
+        return self.default_scheme
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["ignore"] = list(self.ignore)
+        if not self.modules:
+            del d["modules"]
         return d
 
     @classmethod

@@ -5,7 +5,7 @@ quantized one at a time and each column's rounding error is spread over the colu
 quantized, weighted by the inverse Hessian (its upper Cholesky factor, "Hinv"), in lazy
 blocks of ``block_size`` columns.
 
-Groups use the cpu_int4 grid (see minmax.py). With ``act_order`` columns are visited in order
+Groups use the cpu_int4 grid (see grid.py). With ``act_order`` columns are visited in order
 of decreasing diag(H), and the groups stay *static*: each contiguous group's scale and zero
 are fixed up front from the original weights, so the result needs no g_idx.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .minmax import GroupQuantized, grid_params, round_to_grid
+from .grid import ROW_CHUNK, GroupQuantized, grid_params, grid_values, round_to_grid
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class HessianAccumulator:
 
 @dataclass(frozen=True)
 class GptqInfo:
-    """What the solve did: the damping that worked, retries needed, dead columns, and the
-    calibration objective sum((W - Q) H (W - Q)^T) / 2 before/after (RTN vs GPTQ is reported by callers)."""
+    """What the solve did: the damping that worked, the retries it needed, and the dead columns
+    (zero Hessian diagonal: never seen by the calibration inputs)."""
 
     damp: float
     retries: int
@@ -71,7 +71,6 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
     raise ValueError(f"Hessian is not positive definite even at damp {damp * 10**DAMP_RETRIES:.3g}")
 
 
-ROW_CHUNK = 4096  # rows are independent given H: solving in chunks bounds the fp32 copies
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool = False,
@@ -129,7 +128,7 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
             w = W1[:, i]
             q = round_to_grid(w.unsqueeze(-1), scale[:, g], zero[:, g]).squeeze(-1)
-            deq = (q.to(torch.float32) - 8.0) * scale[:, g].float() + zero[:, g].float()
+            deq = grid_values(q.unsqueeze(-1), scale[:, g], zero[:, g]).squeeze(-1)
             codes[:, col] = q
             err = (w - deq) / U1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)

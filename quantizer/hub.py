@@ -1,5 +1,6 @@
-"""Publish a quantized folder to the Hugging Face Hub (or any server speaking its API), with a
-generated model card. The token is passed to huggingface_hub and never printed or written."""
+"""The Hugging Face Hub (or any server speaking its API): fetch a model to quantize, and publish a
+quantized folder with a generated model card. The token is passed to huggingface_hub and never
+printed or written."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError, Int4qError
+from .formats import RUNTIME_FORMAT, format_of_config, get_format
 
 log = logging.getLogger(__name__)
 CARD_NAME = "README.md"
@@ -45,8 +47,8 @@ def check_publishable(folder: Path) -> None:
     from .runtime import load_tokenizer
     from .verify import check_structure
 
-    qc = read_config(folder).get("quantization_config") or {}
-    if qc.get("quant_method") == "gptq":
+    fmt = format_of_config(read_config(folder).get("quantization_config") or {})
+    if fmt is not None and fmt.name != RUNTIME_FORMAT:
         CheckpointReader(folder)
     else:
         result, _ = check_structure(folder)
@@ -79,21 +81,23 @@ def model_card(folder: Path, repo_id: str) -> str:
     report = _read_json(folder / "quantization_report.json") or {}
     verify = _read_json(folder / "verify_report.json") or {}
     summary = report.get("summary", {})
-    gptq_format = qc.get("quant_method") == "gptq"
-    method = "gptq" if gptq_format else qc.get("method", "minmax")
-    symmetric = qc.get("sym") if gptq_format else qc.get("symmetric")
+    fmt = format_of_config(qc) or get_format(RUNTIME_FORMAT)
+    runs_here = fmt.name == RUNTIME_FORMAT
+    report_qc = report.get("quantization_config") or {}
+    method = report_qc.get("method") or qc.get("method", "minmax")
+    symmetric = report_qc.get("symmetric", qc.get("symmetric", qc.get("sym")))
     base = report.get("source_model")
-    tags = ["4-bit", "int4q", "gptq" if gptq_format else "cpu_int4"] + (["gptq"] if method == "gptq" and not gptq_format else [])
+    tags = ["4-bit", "int4q", fmt.name] + (["gptq"] if method == "gptq" and fmt.name != "gptq" else [])
     front = ["---"]
     if base and "/" in base and not Path(base).exists():
         front.append(f"base_model: {base}")
     front += ["library_name: int4q", "pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---"]
-    calib = qc.get("calibration") or (report.get("quantization_config") or {}).get("calibration") or {}
+    calib = qc.get("calibration") or report_qc.get("calibration") or {}
     lines = [
         *front, "", f"# {repo_id.split('/')[-1]}", "",
         f"A 4-bit group-wise quantization{f' of `{base}`' if base else ''}, made with int4q.", "",
         "| | |", "| --- | --- |",
-        f"| format | {'GPTQ v1 (qweight/qzeros/scales/g_idx)' if gptq_format else 'cpu_int4 (uint8 nibbles, bf16 scale and zero per group)'} |",
+        f"| format | {fmt.description} |",
         f"| method | {'GPTQ' if method == 'gptq' else 'round-to-nearest on the min/max grid'} |",
         f"| group size | {qc.get('group_size')} |",
         f"| grid | {'symmetric' if symmetric else 'asymmetric'} |",
@@ -110,7 +114,7 @@ def model_card(folder: Path, repo_id: str) -> str:
                   "| --- | --- | --- | --- | --- |",
                   f"| {fid['kld_mean']:.4f} | {fid['kld_p999']:.4f} | {100 * fid['top1_agreement']:.2f}% | "
                   f"{fid['ppl_ratio']:.4f} | {fid['greedy_matches']}/{fid['greedy_total']} |"]
-    if not gptq_format:
+    if runs_here:
         lines += ["", "## Run it", "", "```bash", "pip install int4q",
                   f"huggingface-cli download {repo_id} --local-dir model",
                   "int4q generate model --chat --prompt \"Hello!\"", "```", "", "```python",
@@ -194,3 +198,25 @@ def resolve_token(token: str | None) -> str | None:
     from huggingface_hub import get_token
 
     return get_token()
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local folder as is; otherwise treat ``model`` as a Hub repo id and fetch its files."""
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"{model} is a file; --model takes a model folder or a Hub repo id")
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        raise InputError(f"{model}: no such folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+            )
+        )
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{model}: not a local folder and could not be fetched from the Hub ({reason})") from None

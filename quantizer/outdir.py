@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .errors import InputError
+from .formats import RUNTIME_FORMAT
 
 REPORT_NAME = "quantization_report.json"
 
@@ -34,7 +35,7 @@ def is_int4q_output(folder: Path) -> bool:
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     if not isinstance(qc, dict):
         return False
-    return qc.get("quant_method") == "cpu_int4" or (Path(folder) / REPORT_NAME).is_file()
+    return qc.get("quant_method") == RUNTIME_FORMAT or (Path(folder) / REPORT_NAME).is_file()
 
 
 def check_output_target(

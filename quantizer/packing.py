@@ -19,8 +19,7 @@ import functools
 
 import torch
 
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
-"""The checkpoint tensors of one quantized module ``<name>``: ``<name>.<suffix>``."""
+from .grid import dequantize_codes
 
 PACK_N_ALIGN = 16
 """The tinygemm packer needs N to be a multiple of this."""
@@ -45,18 +44,6 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """[N, K // 2] uint8 -> [N, K] uint8 codes in [0, 15]."""
     n, half = packed.shape
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, half * 2)
-
-
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """``(q - 8) * scale + zero`` in fp32 per group, rounded once to ``dtype``.
-
-    codes [N, K] (any integer or float dtype holding 0..15), scale and zero [N, K // group].
-    """
-    n, k = codes.shape
-    groups = scale.shape[1]
-    q = codes.to(torch.float32).reshape(n, groups, k // groups)
-    w = (q - 8.0) * scale.to(torch.float32).unsqueeze(-1) + zero.to(torch.float32).unsqueeze(-1)
-    return w.reshape(n, k).to(dtype)
 
 
 def to_int4pack(packed: torch.Tensor) -> torch.Tensor:

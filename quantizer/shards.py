@@ -1,4 +1,5 @@
-"""Writing safetensors files: a streamed, capped set of shards with an index, and single files.
+"""Writing safetensors files: a streamed, capped set of shards with an index, single files, and
+the shard size limit as the user writes it.
 
 Headers are written first from the tensors' specs, so data goes straight to its place on disk.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import _DTYPES, INDEX_NAME, SINGLE_NAME, _read_header
+from .errors import InputError
 
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -130,3 +132,22 @@ def file_specs(path: Path) -> list[TensorSpec]:
     header = _read_header(Path(path))[1]
     entries = sorted((v["data_offsets"][0], k, v) for k, v in header.items() if k != "__metadata__")
     return [TensorSpec(k, _DTYPES[v["dtype"]], tuple(v["shape"])) for _, k, v in entries]
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '64KiB', '1000' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            t, factor = t[: -len(unit)], mult
+            break
+    else:
+        factor = 1
+    try:
+        value = float(t)
+    except ValueError:
+        raise InputError(f"cannot read size {text!r}; use e.g. 2GB, 500MB or 64KiB") from None
+    if value <= 0:
+        raise InputError(f"size must be positive, got {text!r}")
+    return int(value * factor)

@@ -28,6 +28,18 @@ class ModelStructure:
         """The linears other than the output head."""
         return tuple(n for n in self.linears if n != self.head)
 
+    def quantized_modules(self, ignore: tuple[str, ...], quantize_embedding: bool, tied_output: bool) -> list[str]:
+        """The modules a quantized checkpoint stores quantized: every linear not ignored, the table
+        when ``quantize_embedding``, and the head unless it is tied to the table (or ignored)."""
+        from .config import matches_ignore
+
+        modules = [m for m in self.decoder_linears if not matches_ignore(m, ignore)]
+        if self.embedding and quantize_embedding:
+            modules.append(self.embedding)
+        if self.head and not tied_output and not matches_ignore(self.head, ignore):
+            modules.append(self.head)
+        return modules
+
 
 def build_config(config_dict: dict):
     """A transformers config object from a config.json dict (no network)."""

@@ -9,22 +9,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX_NAME, CheckpointReader, read_config, read_quantized
+from .checkpoint import INDEX_NAME, CheckpointReader, read_config
 from .config import QuantizationConfig
 from .errors import Int4qError
-from .minmax import CLIP_SHRINKS, ErrorStats
-from .packing import (
-    QUANT_SUFFIXES,
-    dequantize_codes,
-    dequantize_int4pack,
-    scales_and_zeros,
-    supports_direct_dequant,
-    to_int4pack,
-    unpack_nibbles,
-)
+from .formats import cpu_int4, format_of_config
+from .grid import CLIP_SHRINKS, MID, QMAX, ErrorStats, dequantize_codes
+from .packing import dequantize_int4pack, scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
 from .structure import architecture_mismatches, build_empty_model, inspect_structure, tie_word_embeddings
 
-MAX_LISTED = 5
+FORMAT = cpu_int4.FORMAT
 
 
 @dataclass
@@ -65,53 +58,70 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
     """config, tensor presence, dtypes, shapes for the group size, shard index, head tying."""
     result = CheckResult("structure")
     info = StructureInfo(None, None, [])
-    try:
-        config = read_config(qdir)
-        qc = config.get("quantization_config")
-        if qc is None:
-            result.fail("config.json has no quantization_config")
-            return result, info
-        method = qc.get("quant_method") if isinstance(qc, dict) else None
-        if method != "cpu_int4":
-            export = " (int4q's GPTQ export: vLLM and GPTQ loaders read it)" if method == "gptq" else ""
-            result.fail(f"this is a {method!r} checkpoint{export}; int4q verify checks cpu_int4 checkpoints")
-            return result, info
-        info.qconfig = QuantizationConfig.from_dict(qc)
-        info.reader = CheckpointReader(qdir)
-    except Int4qError as e:
-        result.fail(str(e))
+    config = _read_checkpoint(qdir, result, info)
+    if config is None:
         return result, info
     reader, q = info.reader, info.qconfig
-    names = set(reader.infos)
     _check_index(qdir, reader, result)
-
-    quantized = sorted(n.removesuffix(".weight_packed") for n in names if n.endswith(".weight_packed"))
-    info.quantized = quantized
-    for module in quantized:
-        _check_quantized_tensors(module, reader, q.group_size, result)
-    for name in names:
+    marker = "." + FORMAT.marker
+    info.quantized = sorted(n.removesuffix(marker) for n in reader.infos if n.endswith(marker))
+    for module in info.quantized:
+        for problem in FORMAT.module_problems(module, reader.infos, q.scheme_for(module)):
+            result.fail(problem)
+    for name in reader.infos:
         module, _, suffix = name.rpartition(".")
-        if suffix in ("weight_scale", "weight_zero") and module not in quantized:
-            result.fail(f"{name}: stray tensor (no {module}.weight_packed)")
-
+        if suffix in cpu_int4.SUFFIXES and module not in info.quantized:
+            result.fail(f"{name}: stray tensor (no {module}{marker})")
     try:
         structure = inspect_structure(config)
     except Int4qError as e:
         result.fail(f"cannot build the architecture to check tensor names: {e}")
         return result, info
     tied = tie_word_embeddings(config)
-    expected = set(structure.decoder_linears)
-    if structure.embedding and q.quantize_embedding:
-        expected.add(structure.embedding)
-    if structure.head and not tied and not q.is_ignored(structure.head):
-        expected.add(structure.head)
+    _check_expected_modules(structure, q, tied, info.quantized, set(reader.infos), result)
+    shapes = {n: i.shape for n, i in reader.infos.items() if n.rpartition(".")[0] not in set(info.quantized)}
+    for module in info.quantized:
+        n, half = reader.infos[f"{module}{marker}"].shape
+        shapes[f"{module}.weight"] = (n, 2 * half)
+        if f"{module}.bias" in reader.infos:
+            shapes[f"{module}.bias"] = reader.infos[f"{module}.bias"].shape
+    for problem in architecture_mismatches(build_empty_model(config), shapes, structure.head if tied else None):
+        result.fail(problem)
+    return result, info
+
+
+def _read_checkpoint(qdir: Path, result: CheckResult, info: StructureInfo) -> dict | None:
+    """config.json, with ``info``'s config and reader filled in; None (and a problem) if it is not
+    a readable cpu_int4 checkpoint."""
+    try:
+        config = read_config(qdir)
+        qc = config.get("quantization_config")
+        if qc is None:
+            result.fail("config.json has no quantization_config")
+            return None
+        fmt = format_of_config(qc)
+        if fmt is not FORMAT:
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            export = f" (int4q's {fmt.title} export: {fmt.read_by} read it)" if fmt else ""
+            result.fail(f"this is a {method!r} checkpoint{export}; int4q verify checks {FORMAT.name} checkpoints")
+            return None
+        info.qconfig = QuantizationConfig.from_dict(qc)
+        info.reader = CheckpointReader(qdir)
+    except Int4qError as e:
+        result.fail(str(e))
+        return None
+    return config
+
+
+def _check_expected_modules(structure, q: QuantizationConfig, tied: bool, quantized: list[str], names: set[str],
+                            result: CheckResult) -> None:
+    """The quantized modules are the ones the config says, and the head is tied as it says."""
+    expected = set(structure.quantized_modules(q.ignore, q.quantize_embedding, tied))
     for module in sorted(expected - set(quantized)):
-        if q.is_ignored(module) and f"{module}.weight" in names:
-            continue
-        result.fail(f"{module}: expected quantized tensors ({module}.weight_packed), missing")
+        result.fail(f"{module}: expected quantized tensors ({module}.{FORMAT.marker}), missing")
     for module in quantized:
         if f"{module}.weight" in names:
-            result.fail(f"{module}: has both weight and weight_packed")
+            result.fail(f"{module}: has both weight and {FORMAT.marker}")
         if q.is_ignored(module):
             result.fail(f"{module}: listed in ignore but quantized")
     if structure.head:
@@ -120,17 +130,6 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
             result.fail(f"tie_word_embeddings is true but the checkpoint has {head_tensors[0]}")
         if not tied and not head_tensors:
             result.fail(f"tie_word_embeddings is false but there is no {structure.head} tensor")
-
-    shapes = {n: i.shape for n, i in reader.infos.items() if n.rpartition(".")[0] not in set(quantized)}
-    for module in quantized:
-        n, half = reader.infos[f"{module}.weight_packed"].shape
-        shapes[f"{module}.weight"] = (n, 2 * half)
-        if f"{module}.bias" in reader.infos:
-            shapes[f"{module}.bias"] = reader.infos[f"{module}.bias"].shape
-    model = build_empty_model(config)
-    for problem in architecture_mismatches(model, shapes, structure.head if tied else None):
-        result.fail(problem)
-    return result, info
 
 
 def _check_index(qdir: Path, reader: CheckpointReader, result: CheckResult) -> None:
@@ -151,24 +150,14 @@ def _check_index(qdir: Path, reader: CheckpointReader, result: CheckResult) -> N
             result.fail(f"{file.name}: a shard the index does not list")
 
 
-def _check_quantized_tensors(module: str, reader: CheckpointReader, group: int, result: CheckResult) -> None:
-    infos = reader.infos
-    missing = [f"{module}.{s}" for s in QUANT_SUFFIXES if f"{module}.{s}" not in infos]
-    if missing:
-        result.fail(f"{missing[0]}: missing")
-        return
-    packed, scale, zero = (infos[f"{module}.{s}"] for s in QUANT_SUFFIXES)
-    if packed.dtype != torch.uint8 or len(packed.shape) != 2:
-        result.fail(f"{packed.name}: expected a 2-D uint8 tensor, got {packed.dtype} {list(packed.shape)}")
-        return
-    n, half = packed.shape
-    want = (n, 2 * half // group) if (2 * half) % group == 0 else None
-    for t in (scale, zero):
-        if t.dtype != torch.bfloat16:
-            result.fail(f"{t.name}: dtype {t.dtype}, expected bfloat16")
-        if want is None or tuple(t.shape) != want:
-            result.fail(f"{t.name}: shape {list(t.shape)} does not match group_size {group} for K={2 * half} "
-                        f"(expected {list(want) if want else 'K divisible by the group'})")
+def _read_module(info: StructureInfo, module: str, result: CheckResult):
+    """((packed, scale, zero), group size) of one module, or None with the problem recorded."""
+    scheme = info.qconfig.scheme_for(module)
+    try:
+        return FORMAT.read_module(info.reader, module, scheme), scheme.group_size
+    except Int4qError as e:
+        result.fail(str(e))
+        return None
 
 
 @dataclass
@@ -218,26 +207,25 @@ def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult
         if src_name not in source.infos:
             result.fail(f"{module}: no {src_name} in the source")
             continue
-        try:
-            packed, scale, zero = read_quantized(reader, module)
-        except Int4qError as e:
-            result.fail(str(e))
+        read = _read_module(info, module, result)
+        if read is None:
             continue
+        (packed, scale, zero), group = read
         w = source.get(src_name).float()
         codes = unpack_nibbles(packed)
-        if codes.shape != w.shape or scale.shape[1] * q.group_size != w.shape[1]:
-            result.fail(f"{module}: shape {list(codes.shape)} / group {q.group_size} does not fit the source "
+        if codes.shape != w.shape or scale.shape[1] * group != w.shape[1]:
+            result.fail(f"{module}: shape {list(codes.shape)} / group {group} does not fit the source "
                         f"{list(w.shape)}")
             continue
         deq = dequantize_codes(codes, scale, zero, torch.float32)
         err_stats = ErrorStats()
         err_stats.add(w, deq)
-        excess = _excess_over_nearest(w, deq, scale, zero, q.group_size)
+        excess = _excess_over_nearest(w, deq, scale, zero, group)
         stats.append(TensorStats(module, err_stats.as_dict()["snr_db"], err_stats.max_abs_err, excess))
         if q.method == "minmax" and excess > 0:
             result.fail(f"{module}: an element is {excess:.3g} further from the source than the nearest point of "
                         "its group's grid (corrupt codes, scales or zeros)")
-        uncovered = _uncovered_range(w, scale, zero, q.group_size, CLIP_SHRINKS[-1] if q.clip_search else 1.0)
+        uncovered = _uncovered_range(w, scale, zero, group, CLIP_SHRINKS[-1] if q.clip_search else 1.0)
         if uncovered > 0:
             result.fail(f"{module}: a group's grid misses {uncovered:.3g} of the source's range (corrupt scales or "
                         "zeros)")
@@ -249,7 +237,7 @@ def _excess_over_nearest(w, deq, scale, zero, group) -> float:
     n, k = w.shape
     s = scale.float().repeat_interleave(group, 1)
     z = zero.float().repeat_interleave(group, 1)
-    lo, hi = z - 8 * s, z + 7 * s
+    lo, hi = z - MID * s, z + (QMAX - MID) * s
     inside = w.clamp(min=lo, max=hi)
     nearest = (inside - lo) - torch.round((inside - lo) / torch.where(s == 0, 1, s)) * s
     distance = nearest.abs() + (w - inside).abs()
@@ -267,7 +255,7 @@ def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
     mid, half = (lo + hi) / 2, (hi - lo) / 2 * min_shrink
     s, z = scale.float(), zero.float()
     slack = 2.0**-7 * (z.abs() + 8 * s + lo.abs() + hi.abs()) + 1e-12
-    short = torch.maximum((z - 8 * s) - (mid - half), (mid + half) - (z + 7 * s)) - slack
+    short = torch.maximum((z - MID * s) - (mid - half), (mid + half) - (z + (QMAX - MID) * s)) - slack
     return max(short.max().item(), 0.0)
 
 
@@ -278,20 +266,19 @@ def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
     q, reader = info.qconfig, info.reader
     gen = torch.Generator().manual_seed(seed)
     for module in info.quantized:
-        try:
-            packed, scale, zero = read_quantized(reader, module)
-        except Int4qError as e:
-            result.fail(str(e))
+        read = _read_module(info, module, result)
+        if read is None:
             continue
+        (packed, scale, zero), group = read
         n, half = packed.shape
         if n % 16:
             continue  # an embedding table alone never goes through the kernel
         int4pack, sz = to_int4pack(packed), scales_and_zeros(scale, zero)
         reference = dequantize_codes(unpack_nibbles(packed), scale, zero)
-        if supports_direct_dequant(n) and not torch.equal(dequantize_int4pack(int4pack, sz, q.group_size), reference):
+        if supports_direct_dequant(n) and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
             result.fail(f"{module}: direct dequantization from the kernel layout differs from row-major")
         x = torch.randn(1, 2 * half, generator=gen).to(torch.bfloat16)
-        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, q.group_size, sz).float()
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group, sz).float()
         want = x.float() @ reference.float().t()
         if (got - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             result.fail(f"{module}: tinygemm GEMV disagrees with the dequantized reference")

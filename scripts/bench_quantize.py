@@ -29,7 +29,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from quantizer.checkpoint import CheckpointReader, proc_status_mb  # noqa: E402
+from quantizer.checkpoint import CheckpointReader  # noqa: E402
+from quantizer.memory import proc_status_mb  # noqa: E402
 from quantizer.shards import ShardWriter, TensorSpec  # noqa: E402
 from quantizer.structure import build_empty_model  # noqa: E402
 

@@ -51,7 +51,7 @@ def main() -> None:
                 summary = run(cmd).strip()
                 seconds, peak = re.search(r"in ([\d.]+) s, peak RSS (\d+) MiB", summary).groups()
                 report = out / "verify_report.json"
-                run(["verify", str(out), "--model", args.source, "--max-windows", str(args.windows),
+                run(["verify", str(out), "--reference", args.source, "--max-windows", str(args.windows),
                      "--json", str(report)])
                 data = json.loads(report.read_text())
                 fid, q = data["fidelity"], json.loads((out / "quantization_report.json").read_text())["summary"]

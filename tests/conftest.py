@@ -19,6 +19,13 @@ CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
 os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "compiled"))
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global RNG state, so a test's random tensors are the same
+    on every run and in any order (tests that need several streams make their own generators)."""
+    torch.manual_seed(0)
+
+
 def save_tiny_llama(path: Path, tie: bool = True, dtype=torch.bfloat16, shard: str | None = "400KB", **overrides) -> Path:
     """A seeded random LlamaForCausalLM: hidden 128, 2 layers, vocab 512."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,7 +91,8 @@ def smollm2_bf16() -> Path:
 
 def quantize_to(src: Path, out: Path, **options) -> Path:
     """Round-to-nearest ``src`` into the new folder ``out`` with QuantizeOptions(**options)."""
-    from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+    from quantizer.planning import QuantizeOptions, plan_quantization
+    from quantizer.rtn import run_quantization
 
     out.mkdir()
     run_quantization(plan_quantization(src, QuantizeOptions(**options)), out)
@@ -106,14 +114,14 @@ def tiny_q(tiny_model, tmp_path_factory) -> Path:
 def interrupt_gptq_at_second_layer(monkeypatch):
     """Make the next GPTQ run raise KeyboardInterrupt as it loads decoder layer 1; returns the
     function that undoes it."""
-    import quantizer.gptq_pipeline as gp
+    import quantizer.layerwise as layerwise
 
-    real = gp._materialize
+    real = layerwise._materialize
 
     def interrupt(module, prefix, *a, **k):
         if prefix.endswith("layers.1"):
             raise KeyboardInterrupt
         return real(module, prefix, *a, **k)
 
-    monkeypatch.setattr(gp, "_materialize", interrupt)
-    return lambda: monkeypatch.setattr(gp, "_materialize", real)
+    monkeypatch.setattr(layerwise, "_materialize", interrupt)
+    return lambda: monkeypatch.setattr(layerwise, "_materialize", real)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantizer.checkpoint import CheckpointReader, copy_aux_files, parse_size
+from quantizer.checkpoint import CheckpointReader, copy_aux_files
 from quantizer.errors import InputError
 
 
@@ -63,13 +63,3 @@ def test_aux_files_are_copied_but_not_weights_or_model_card(tmp_path):
                  "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", ".int4q-bundled"):
         (src / name).write_text("x")
     assert copy_aux_files(src, dst) == ["chat_template.jinja", "generation_config.json", "tokenizer.json"]
-
-
-@pytest.mark.parametrize("text,expected", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("64KiB", 65536), ("1000", 1000)])
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-def test_parse_size_rejects_garbage():
-    with pytest.raises(InputError):
-        parse_size("lots")

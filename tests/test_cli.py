@@ -52,9 +52,9 @@ def test_group_size_error_writes_nothing(tiny_model, tmp_path):
 
 
 def test_interrupted_run_leaves_no_output(tiny_model, tmp_path, monkeypatch):
-    import quantizer.pipeline as pipeline
+    import quantizer.rtn as rtn
 
-    real, calls = pipeline.quantize_rtn, []
+    real, calls = rtn.quantize_rtn, []
 
     def interrupt_on_fifth(*args, **kwargs):
         calls.append(1)
@@ -62,19 +62,19 @@ def test_interrupted_run_leaves_no_output(tiny_model, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "quantize_rtn", interrupt_on_fifth)
+    monkeypatch.setattr(rtn, "quantize_rtn", interrupt_on_fifth)
     result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--no-progress")
     assert result.exit_code == 130 and "interrupted" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_unexpected_failure_is_one_line_without_traceback(tiny_model, tmp_path, monkeypatch):
-    import quantizer.pipeline as pipeline
+    import quantizer.rtn as rtn
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded\nsecond line")
 
-    monkeypatch.setattr(pipeline, "quantize_rtn", broken)
+    monkeypatch.setattr(rtn, "quantize_rtn", broken)
     result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--no-progress")
     assert_one_line_error(result, "internal error: RuntimeError: kernel exploded")
     assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantizer.gptq import HessianAccumulator, gptq_quantize, proxy_loss
-from quantizer.minmax import grid_params, quantize_groupwise
+from quantizer.grid import grid_params, quantize_groupwise
 
 
 def correlated_inputs(k, rows=2048, seed=0):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from quantizer.minmax import quantize_groupwise
+from quantizer.formats.cpu_int4 import FORMAT
+from quantizer.grid import quantize_groupwise
 from quantizer.runtime import load_model
 from quantizer.runtime.fusion import Int4Group, Int4Slice, fuse_linears, fuse_projections
 from quantizer.runtime.modules import Int4Linear, dequantize_modules
@@ -15,9 +16,9 @@ def random_int4_linear(n, k, seed, bias=False):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     gq = quantize_groupwise(w, 64)
-    t = gq.checkpoint_tensors()
+    packed, scale, zero = FORMAT.tensors("w", gq).values()
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
-    return Int4Linear.from_row_major(t["weight_packed"], t["weight_scale"], t["weight_zero"], 64, bias=b)
+    return Int4Linear.from_row_major(packed, scale, zero, 64, bias=b)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])

@@ -59,7 +59,7 @@ def _with_qconfig(src, dst, **changes):
     ({"bits": 3}, "bits is 3"),
     ({"format_version": 99}, "newer than this int4q"),
     ({"fancy_new_knob": 1}, "keys this int4q does not know: fancy_new_knob"),
-    ({"group_size": 32}, "does not match group size 32"),
+    ({"group_size": 32}, "does not match group_size 32"),
     ({"dequant_threshold": 0}, "dequant_threshold must be"),
 ])
 def test_checkpoint_asking_for_what_the_runtime_cannot_do_fails_clearly(tiny_q, tmp_path, changes, error):

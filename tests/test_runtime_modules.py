@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import quantizer.runtime.modules as modules
-from quantizer.minmax import quantize_groupwise
+from quantizer.grid import quantize_groupwise
+from quantizer.packing import pack_nibbles
 from quantizer.runtime.modules import Int4Linear, dequantize_modules, quantize_embedding_module, tied_head
 
 
@@ -12,7 +13,7 @@ def quantized(n, k, group, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     gq = quantize_groupwise(w, group)
-    return gq, (gq.packed(), gq.scale, gq.zero)
+    return gq, (pack_nibbles(gq.codes), gq.scale, gq.zero)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
@@ -107,7 +108,7 @@ def test_int4_embedding_looks_up_dequantized_rows_and_keeps_the_class_behaviour(
 def test_tied_head_shares_the_tables_tensors_and_dequantizes_to_the_same_weight():
     gq, tensors = quantized(256, 128, 32)
     emb = quantize_embedding_module(torch.nn.Embedding(256, 128), *tensors, 32, with_kernel_layout=True)
-    head = tied_head(emb, group_size=32)
+    head = tied_head(emb)
     assert head.int4pack is emb.int4pack and head.sz is emb.sz
     assert torch.equal(head.dequantized_weight(), gq.dequantize(torch.bfloat16))
 
@@ -116,7 +117,7 @@ def test_dequantize_modules_keeps_the_function_and_the_tie():
     gq, tensors = quantized(256, 128, 32)
     model = torch.nn.Module()
     model.emb = quantize_embedding_module(torch.nn.Embedding(256, 128), *tensors, 32, with_kernel_layout=True)
-    model.head = tied_head(model.emb, group_size=32)
+    model.head = tied_head(model.emb)
     model.get_input_embeddings = lambda: model.emb
     x = torch.randn(3, 128).to(torch.bfloat16)
     before = model.head(x)

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from quantizer.checkpoint import CheckpointReader
-from quantizer.shards import ShardWriter, TensorSpec, write_safetensors
+from quantizer.errors import InputError
+from quantizer.shards import ShardWriter, TensorSpec, parse_size, write_safetensors
 
 
 def test_written_safetensors_load_back_identically(tmp_path):
@@ -68,3 +69,13 @@ def test_shard_writer_checks_the_headers_it_wrote(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="differs from what was planned"):
         writer.finish()
+
+
+@pytest.mark.parametrize("text,expected", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("64KiB", 65536), ("1000", 1000)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(InputError):
+        parse_size("lots")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import proc_status_mb, release_free_memory
+from ..memory import proc_status_mb, release_free_memory
 
 
 @dataclass

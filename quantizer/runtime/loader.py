@@ -9,15 +9,17 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader, read_config, read_quantized, release_free_memory
+from ..checkpoint import CheckpointReader, read_config
 from ..config import QuantizationConfig
 from ..errors import InputError, UnsupportedError
-from ..packing import QUANT_SUFFIXES
+from ..formats import cpu_int4, format_of_config
+from ..memory import release_free_memory
 from ..structure import build_empty_model, tie_word_embeddings
 from .fusion import fuse_projections
 from .modules import Int4Linear, quantize_embedding_module, set_module, tied_head
 
 log = logging.getLogger(__name__)
+FORMAT = cpu_int4.FORMAT
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig | None:
@@ -25,14 +27,15 @@ def read_quantization_config(config: dict) -> QuantizationConfig | None:
     qc = config.get("quantization_config")
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method != "cpu_int4":
-        raise UnsupportedError(f"this runtime runs cpu_int4 checkpoints, not quant_method {method!r}")
+    if format_of_config(qc) is not FORMAT:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise UnsupportedError(f"this runtime runs {FORMAT.name} checkpoints, not quant_method {method!r}")
     return QuantizationConfig.from_dict(qc)
 
 
 def _quantized_modules(reader: CheckpointReader) -> list[str]:
-    return sorted(n.removesuffix(".weight_packed") for n in reader.infos if n.endswith(".weight_packed"))
+    marker = "." + FORMAT.marker
+    return sorted(n.removesuffix(marker) for n in reader.infos if n.endswith(marker))
 
 
 def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> torch.nn.Module:
@@ -53,36 +56,35 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     head = model.get_output_embeddings()
     emb_name = next(n for n, m in modules.items() if m is emb)
     tied = tie_word_embeddings(config) and head is not None
-    quantized = _quantized_modules(reader) if qc else []
+    quantized = _quantized_modules(reader)
     if quantized and qc is None:
         raise InputError(f"{path}: has packed weights but no quantization_config")
-    runtime = {}
     if qc:
-        runtime = dict(group_size=qc.group_size)
         linear_kwargs = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant,
                              direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op)
     for name in quantized:
         module = modules.get(name)
-        tensors = _read_quantized(reader, name, qc.group_size)
+        group_size = qc.scheme_for(name).group_size
+        tensors = FORMAT.read_module(reader, name, qc.scheme_for(name))
         if module is emb:
             if not qc.quantize_embedding:
                 raise InputError(f"{name} is quantized but quantization_config.quantize_embedding is false")
-            quantize_embedding_module(emb, *tensors, qc.group_size, with_kernel_layout=tied)
+            quantize_embedding_module(emb, *tensors, group_size, with_kernel_layout=tied)
         elif type(module) is torch.nn.Linear:
             bias = reader.get(f"{name}.bias") if f"{name}.bias" in reader.infos else None
             if (module.out_features, module.in_features) != (tensors[0].shape[0], tensors[0].shape[1] * 2):
                 raise InputError(f"{name}: packed shape {list(tensors[0].shape)} does not fit "
                                  f"[{module.out_features}, {module.in_features}]")
-            set_module(model, name, Int4Linear.from_row_major(*tensors, bias=bias, **runtime, **linear_kwargs))
+            set_module(model, name, Int4Linear.from_row_major(*tensors, group_size, bias=bias, **linear_kwargs))
         else:
             raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
     head_name = next((n for n, m in modules.items() if m is head), None)
     if tied and emb_name in quantized:
-        set_module(model, head_name, tied_head(emb, **runtime, **linear_kwargs))
+        set_module(model, head_name, tied_head(emb, **linear_kwargs))
     quantized_set = set(quantized)
     for name, info in reader.infos.items():
         module_name, _, attr = name.rpartition(".")
-        if module_name in quantized_set and (attr in QUANT_SUFFIXES or attr == "bias"):
+        if module_name in quantized_set and (attr in cpu_int4.SUFFIXES or attr == "bias"):
             continue
         _set_tensor(model, name, reader.get(name))
     if tied and emb_name not in quantized_set:
@@ -92,7 +94,6 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
         raise InputError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}")
     if fuse:
         fuse_projections(model)
-    model.int4q_config = qc
     release_free_memory()
     return model
 
@@ -102,17 +103,6 @@ def import_architecture(path: Path) -> None:
     are not charged to the first model whose memory is measured."""
     build_empty_model(read_config(Path(path)))
     release_free_memory()
-
-
-def _read_quantized(reader: CheckpointReader, name: str, group_size: int):
-    packed, scale, zero = read_quantized(reader, name)
-    n, half = packed.shape
-    if packed.dtype != torch.uint8 or scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16:
-        raise InputError(f"{name}: expected uint8 packed and bf16 scale/zero")
-    if scale.shape != (n, 2 * half // group_size) or zero.shape != scale.shape:
-        raise InputError(f"{name}: scale/zero shape {list(scale.shape)} does not match group size {group_size} "
-                         f"for a [{n}, {2 * half}] weight")
-    return packed, scale, zero
 
 
 def _set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -14,8 +14,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..grid import dequantize_codes
 from ..packing import (
-    dequantize_codes,
     dequantize_int4pack,
     kernel_layout_matches,
     scales_and_zeros,
@@ -257,8 +257,9 @@ def set_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
 
 
 def tied_head(embedding: torch.nn.Module, **kwargs) -> Int4Linear:
-    """An Int4Linear that shares the quantized table's kernel-layout tensors (kwargs as Int4Linear)."""
+    """An Int4Linear that shares the quantized table's kernel-layout tensors and group size
+    (kwargs as Int4Linear)."""
     row_major = (embedding.packed, embedding.scale, embedding.zero) if embedding.packed is not None else None
-    return Int4Linear(embedding.int4pack, embedding.sz, row_major=row_major, **kwargs)
+    return Int4Linear(embedding.int4pack, embedding.sz, embedding.group_size, row_major=row_major, **kwargs)
 
 

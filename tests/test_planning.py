@@ -1,13 +1,12 @@
-import json
+"""Planning: which tensors are quantized, copied or dropped, decided and checked before any write."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantizer.checkpoint import CheckpointReader
 from quantizer.errors import InputError
-from quantizer.packing import dequantize_codes, unpack_nibbles
-from quantizer.pipeline import QuantizeOptions, plan_quantization, run_quantization
+from quantizer.planning import QuantizeOptions, plan_quantization
+from quantizer.rtn import run_quantization
 
 from conftest import save_tiny_llama
 
@@ -80,31 +79,23 @@ def test_already_quantized_input_is_refused(tmp_path, tiny_model):
         plan_quantization(out, QuantizeOptions())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_run_writes_the_format_and_copies_the_rest_bit_exactly(tmp_path, dtype):
-    src = save_tiny_llama(tmp_path / "src", dtype=dtype, shard="300KB")
-    out = tmp_path / "out"
-    out.mkdir()
-    report = run_quantization(plan_quantization(src, QuantizeOptions(group_size=64, max_shard_bytes=200_000)), out)
-    source, result = CheckpointReader(src), CheckpointReader(out)
-    assert len(result.files) > 1 and (out / "model.safetensors.index.json").is_file()
-    for name in source.infos:
-        module = name.removesuffix(".weight")
-        if module in report["tensors"]:
-            packed = result.get(f"{module}.weight_packed")
-            scale, zero = result.get(f"{module}.weight_scale"), result.get(f"{module}.weight_zero")
-            n, k = source.infos[name].shape
-            assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
-            assert scale.dtype == zero.dtype == torch.bfloat16 and scale.shape == (n, k // 64)
-            w = dequantize_codes(unpack_nibbles(packed), scale, zero, torch.float32)
-            bound = scale.float().repeat_interleave(64, 1) * 0.51 + 2**-8 * w.abs()
-            assert torch.all((w - source.get(name).float()).abs() <= bound), name
-        else:
-            t = result.get(name)
-            assert t.dtype == dtype and torch.equal(t, source.get(name)), name
-    config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "cpu_int4"
-    assert config["quantization_config"]["group_size"] == 64
-    assert report["summary"]["bits_per_weight"] == 4.5
-    saved = json.loads((out / "quantization_report.json").read_text())
-    assert saved["tensors"]["model.layers.0.mlp.down_proj"]["snr_db"] > 15
+def test_what_the_format_and_method_require_is_applied_with_a_note(tiny_model, tmp_path):
+    plain = plan_quantization(tiny_model, QuantizeOptions())
+    assert plain.notes == () and plain.tied_output
+    gptq = plan_quantization(tiny_model, QuantizeOptions(method="gptq", checkpoint_format="gptq"))
+    assert "model.embed_tokens" not in gptq.targets and "lm_head" in gptq.targets and not gptq.tied_output
+    assert [n.split(":")[0] for n in gptq.notes] == ["the gptq format has no quantized vocabulary table",
+                                                    "gptq quantizes the head on its own inputs"]
+    asked = plan_quantization(tiny_model, QuantizeOptions(method="gptq", untie_head=True, keep_embedding=True,
+                                                          checkpoint_format="gptq"))
+    assert asked.notes == ()
+    untied = save_tiny_llama(tmp_path / "untied", tie=False)
+    assert plan_quantization(untied, QuantizeOptions(method="gptq")).notes == ()
+
+
+def test_the_plan_specs_are_what_the_format_writes(tiny_model):
+    plan = plan_quantization(tiny_model, QuantizeOptions(group_size=32, untie_head=True))
+    specs = {s.name: s for s in plan.output_specs()}
+    assert specs["lm_head.weight_scale"].shape == (512, 4) and "lm_head.weight" not in specs
+    assert plan.modules_from("model.embed_tokens.weight") == ["model.embed_tokens", "lm_head"]
+    assert plan.disk_bytes_needed() == sum(s.nbytes for s in specs.values())

@@ -1,4 +1,5 @@
-"""Layer-streamed GPTQ over a checkpoint: matches a whole-model GPTQ, resumes to identical bytes."""
+"""The layer-wise calibration driver, run with GPTQ: it matches a whole-model GPTQ, groups linears
+into true-sequential steps, and resumes to identical bytes."""
 
 import json
 
@@ -6,19 +7,22 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import quantizer.gptq_pipeline as gp
+import quantizer.capture as capture
+from quantizer.calib_state import STATE_DIR
+from quantizer.gptq_method import GptqOptions, run_gptq
 from quantizer.calibration import calibration_windows
 from quantizer.checkpoint import CheckpointReader
 from quantizer.cli import main
 from quantizer.errors import InputError
 from quantizer.gptq import HessianAccumulator
+from quantizer.grid import dequantize_codes
 from quantizer.packing import unpack_nibbles
-from quantizer.pipeline import QuantizeOptions, plan_quantization
+from quantizer.planning import QuantizeOptions, plan_quantization
 from quantizer.textdata import builtin_text
 
 from conftest import interrupt_gptq_at_second_layer
 
-OPTIONS = gp.GptqOptions(nsamples=4, seqlen=64, seed=0)
+OPTIONS = GptqOptions(nsamples=4, seqlen=64, seed=0)
 STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 
@@ -26,7 +30,7 @@ STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_at
 def streamed(src, out, tokenizer, resume=False, options=OPTIONS, group=64):
     out.mkdir(exist_ok=True)
     plan = plan_quantization(src, QuantizeOptions(group_size=group, untie_head=True, method="gptq"))
-    return gp.run_gptq(plan, out, tokenizer, builtin_text("calib"), "calib", options, resume=resume)
+    return run_gptq(plan, out, tokenizer, builtin_text("calib"), "calib", options, resume=resume)
 
 
 def whole_model_hessians(src, windows, quantized: CheckpointReader):
@@ -34,7 +38,6 @@ def whole_model_hessians(src, windows, quantized: CheckpointReader):
     *whole* model on every window, with the linears of earlier steps already replaced by the
     streamed run's quantized weights (so GPTQ's sensitivity to rounding ties cannot make the
     two runs drift apart and hide a real difference in the inputs)."""
-    from quantizer.packing import dequantize_codes
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -64,19 +67,20 @@ def whole_model_hessians(src, windows, quantized: CheckpointReader):
 def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, byte_tokenizer, tmp_path,
                                                                    monkeypatch):
     streamed_h = {}
-    real_accumulate, real_head = gp._accumulate, gp._head_hessian
+    real_accumulate, real_head = capture.accumulate, capture.head_statistic
 
-    def record(layer, step, hidden, kwargs):
-        H = real_accumulate(layer, step, hidden, kwargs)
-        streamed_h[f"model.layers.{len([k for k in streamed_h if k.endswith(step[0])])}.{step[0]}"] = H
-        return H
+    def record(layer, step, hidden, kwargs, method):
+        acc = real_accumulate(layer, step, hidden, kwargs, method)
+        streamed_h[f"model.layers.{len([k for k in streamed_h if k.endswith(step[0])])}.{step[0]}"] = acc.H
+        return acc
 
     def record_head(*args):
-        streamed_h["lm_head"] = real_head(*args)
-        return streamed_h["lm_head"]
+        acc = real_head(*args)
+        streamed_h["lm_head"] = acc.H
+        return acc
 
-    monkeypatch.setattr(gp, "_accumulate", record)
-    monkeypatch.setattr(gp, "_head_hessian", record_head)
+    monkeypatch.setattr(capture, "accumulate", record)
+    monkeypatch.setattr(capture, "head_statistic", record_head)
     report = streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer)
     windows = calibration_windows(byte_tokenizer, builtin_text("calib"), OPTIONS.nsamples, OPTIONS.seqlen, 0)
     reference = whole_model_hessians(tiny_model_tok, windows, CheckpointReader(tmp_path / "q"))
@@ -104,7 +108,7 @@ def interrupted_run(src, out, tokenizer, monkeypatch):
 def test_resume_gives_the_same_bytes_as_an_uninterrupted_run(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
     streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
     interrupted_run(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, monkeypatch)
-    assert json.loads((tmp_path / "resumed" / gp.STATE_DIR / "state.json").read_text())["layers_done"] == 1
+    assert json.loads((tmp_path / "resumed" / STATE_DIR / "state.json").read_text())["layers_done"] == 1
     streamed(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, resume=True)
     assert_same_outputs(tmp_path / "whole", tmp_path / "resumed")
 
@@ -126,7 +130,7 @@ def test_a_kill_between_hidden_states_and_state_resumes_from_the_right_layer(tin
 
     streamed(tiny_model_tok, tmp_path / "whole", byte_tokenizer)
     interrupted_run(tiny_model_tok, tmp_path / "resumed", byte_tokenizer, monkeypatch)
-    state = tmp_path / "resumed" / gp.STATE_DIR
+    state = tmp_path / "resumed" / STATE_DIR
     # What a kill right after layer 2's activations were renamed into place leaves: they exist,
     # but state.json still says one layer is done.
     ahead = load_file(str(state / "hidden-00001.safetensors"))["hidden"] * 2
@@ -139,7 +143,7 @@ def test_a_kill_between_hidden_states_and_state_resumes_from_the_right_layer(tin
 @pytest.mark.parametrize("damage", ["missing hidden states", "corrupt state"])
 def test_an_inconsistent_state_is_refused_in_one_line(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch, damage):
     interrupted_run(tiny_model_tok, tmp_path / "q", byte_tokenizer, monkeypatch)
-    state = tmp_path / "q" / gp.STATE_DIR
+    state = tmp_path / "q" / STATE_DIR
     if damage == "missing hidden states":
         (state / "hidden-00001.safetensors").unlink()
     else:
@@ -151,7 +155,7 @@ def test_an_inconsistent_state_is_refused_in_one_line(tiny_model_tok, byte_token
 
 def test_resume_with_different_settings_is_refused(tiny_model_tok, byte_tokenizer, tmp_path, monkeypatch):
     interrupted_run(tiny_model_tok, tmp_path / "q", byte_tokenizer, monkeypatch)
-    other = gp.GptqOptions(nsamples=4, seqlen=64, seed=0, damp=0.05)
+    other = GptqOptions(nsamples=4, seqlen=64, seed=0, damp=0.05)
     with pytest.raises(InputError, match="different inputs or settings"):
         streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer, resume=True, options=other)
 
@@ -178,7 +182,7 @@ def test_cli_gptq_with_empty_calibration_file_is_one_line(tiny_model_tok, tmp_pa
 
 
 def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
-    from quantizer.gptq_format import dequantize_gptq
+    from quantizer.formats.gptq_v1 import dequantize_gptq
 
     out = tmp_path / "g"
     result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
@@ -197,18 +201,3 @@ def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
     snr = 10 * torch.log10(source.get(f"{m}.weight").float().pow(2).sum() / (w - source.get(f"{m}.weight").float()).pow(2).sum())
     assert snr > 10
     assert "cpu_int4 checkpoints, not quant_method 'gptq'" in CliRunner().invoke(main, ["bench", str(out)]).stderr
-
-
-def test_steps_group_linears_by_shared_input_in_call_order(tiny_model_tok, monkeypatch):
-    from quantizer.structure import build_empty_model
-
-    config = json.loads((tiny_model_tok / "config.json").read_text())
-    model = build_empty_model(config).float()
-    layer = model.model.layers[0]
-    gp._materialize(layer, "model.layers.0", CheckpointReader(tiny_model_tok))
-    windows = torch.randint(0, 256, (1, 16))
-    gp._materialize(model.get_input_embeddings(), "model.embed_tokens", CheckpointReader(tiny_model_tok))
-    hidden, kwargs = gp._capture_inputs(model, model.model.layers, windows, all_samples=True)
-    wanted = {n for step in STEPS for n in step}
-    for _ in range(5):  # the allocator must not be able to make two inputs look alike
-        assert gp._steps(layer, hidden[:1], kwargs, wanted) == STEPS

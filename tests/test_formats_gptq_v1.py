@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantizer.gptq import HessianAccumulator, gptq_quantize
-from quantizer.gptq_format import dequantize_gptq, gptq_tensors, pack_int32, unpack_int32, zero_points
+from quantizer.formats.gptq_v1 import dequantize_gptq, gptq_tensors, pack_int32, unpack_int32, zero_points
 
 
 def test_pack_int32_hand_worked_values():
@@ -23,7 +23,7 @@ def test_pack_unpack_round_trip(rows, words, seed):
 def test_qweight_and_qzeros_layout_by_hand():
     codes = torch.zeros(16, 16, dtype=torch.uint8)
     codes[3, 9] = 5  # channel n=3, input k=9 -> qweight[1, 3] bits 4*(9-8)
-    from quantizer.minmax import GroupQuantized
+    from quantizer.grid import GroupQuantized
 
     scale = torch.ones(16, 1)
     zero = torch.zeros(16, 1)  # symmetric: z = 8, stored 7 in every nibble

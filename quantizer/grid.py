@@ -1,4 +1,4 @@
-"""Group-wise 4-bit grids and round-to-nearest quantization. Pure tensor functions.
+"""The group-wise 4-bit grid every method quantizes onto, and round-to-nearest. Pure tensor functions.
 
 A weight [N, K] is cut into groups of ``group_size`` consecutive input columns. Each group has a
 bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8) * scale + zero``.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import QUANT_SUFFIXES, dequantize_codes, pack_nibbles
-
 QMAX = 15
+MID = 8  # the code that dequantizes to ``zero``
+ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
 
 
@@ -36,15 +36,24 @@ class GroupQuantized:
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scale.shape[1]
 
-    def packed(self) -> torch.Tensor:
-        return pack_nibbles(self.codes)
-
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_codes(self.codes, self.scale, self.zero, dtype)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The cpu_int4 tensors by suffix (``weight_packed``, ``weight_scale``, ``weight_zero``)."""
-        return dict(zip(QUANT_SUFFIXES, (self.packed(), self.scale, self.zero)))
+    def rows(self, rows: slice) -> "GroupQuantized":
+        return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows])
+
+
+def grid_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` in fp32: codes [..., group], scale and zero [...] per group."""
+    return (codes.to(torch.float32) - MID) * scale.to(torch.float32).unsqueeze(-1) + zero.to(torch.float32).unsqueeze(-1)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """Weight [N, K] from codes [N, K] (any dtype holding 0..15) and scale, zero [N, K // group],
+    computed in fp32 and rounded once to ``dtype``."""
+    n, k = codes.shape
+    groups = scale.shape[1]
+    return grid_values(codes.reshape(n, groups, k // groups), scale, zero).reshape(n, k).to(dtype)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -63,18 +72,18 @@ def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
     convention stores z - 1 in 4 bits), returned in fp32, where that product is exact.
     """
     if symmetric:
-        scale = torch.maximum(-lo / 8.0, hi / 7.0).clamp(min=0.0)
+        scale = torch.maximum(-lo / MID, hi / (QMAX - MID)).clamp(min=0.0)
     else:
         scale = (hi - lo) / QMAX
     if not integer_zero:
-        zero = torch.zeros_like(scale) if symmetric else lo + 8.0 * scale
+        zero = torch.zeros_like(scale) if symmetric else lo + MID * scale
         return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
     scale = scale.to(torch.float16).to(torch.float32)
     if symmetric:
-        z = torch.full_like(scale, 8.0)
+        z = torch.full_like(scale, float(MID))
     else:
         z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
-    return scale, (8.0 - z) * scale
+    return scale, (MID - z) * scale
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -85,21 +94,20 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     s = scale.to(torch.float32).unsqueeze(-1)
     z = zero.to(torch.float32).unsqueeze(-1)
     safe = torch.where(s == 0, torch.ones_like(s), s)
-    q = torch.round((w - z) / safe + 8.0).clamp_(0, QMAX)
-    return torch.where(s == 0, torch.full_like(q, 8.0), q).to(torch.uint8)
+    q = torch.round((w - z) / safe + MID).clamp_(0, QMAX)
+    return torch.where(s == 0, torch.full_like(q, float(MID)), q).to(torch.uint8)
 
 
-def quantize_groupwise(
-    w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False
-) -> GroupQuantized:
-    """Round-to-nearest quantization of w [N, K] (any float dtype).
+def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False,
+                       integer_zero: bool = False) -> GroupQuantized:
+    """Round-to-nearest quantization of w [N, K] (any float dtype); ``integer_zero`` as in :func:`grid_params`.
 
     With ``clip_search`` each group's range is shrunk towards its centre (symmetric: towards 0)
     by the factor in ``CLIP_SHRINKS`` that minimises that group's squared error.
     """
     g = _grouped(w, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale, zero = grid_params(lo, hi, symmetric)
+    scale, zero = grid_params(lo, hi, symmetric, integer_zero)
     codes = round_to_grid(g, scale, zero)
     if clip_search:
         best_err = _group_sq_error(g, codes, scale, zero)
@@ -109,7 +117,7 @@ def quantize_groupwise(
             else:
                 mid = (lo + hi) / 2
                 s_lo, s_hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
-            s2, z2 = grid_params(s_lo, s_hi, symmetric)
+            s2, z2 = grid_params(s_lo, s_hi, symmetric, integer_zero)
             c2 = round_to_grid(g, s2, z2)
             err = _group_sq_error(g, c2, s2, z2)
             better = err < best_err
@@ -122,8 +130,7 @@ def quantize_groupwise(
 
 
 def _group_sq_error(g, codes, scale, zero) -> torch.Tensor:
-    deq = (codes.to(torch.float32) - 8.0) * scale.to(torch.float32).unsqueeze(-1) + zero.to(torch.float32).unsqueeze(-1)
-    return (deq - g).pow(2).sum(dim=-1)
+    return (grid_values(codes, scale, zero) - g).pow(2).sum(dim=-1)
 
 
 class ErrorStats:

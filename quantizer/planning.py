@@ -1,27 +1,24 @@
-"""Quantize a checkpoint: validate everything first, then stream tensors shard by shard.
-
-:func:`plan_quantization` reads only headers and config.json and raises before anything is
-written; :func:`run_quantization` then reads one tensor at a time and writes capped shards.
-"""
+"""Plan a quantization: check the checkpoint and the options against each other and decide, for
+every tensor, whether it is copied, dropped, or quantized and with which scheme. Reads only
+config.json and shard headers, and raises before anything is written."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointReader, TensorInfo, copy_aux_files, read_config, release_free_memory, write_json
-from .config import GROUP_SIZES, QuantizationConfig, matches_ignore
+from .checkpoint import CheckpointReader, TensorInfo, read_config
+from .config import CALIBRATED_METHODS, QuantizationConfig, matches_ignore
 from .errors import InputError
-from .minmax import ErrorStats, quantize_groupwise
-from .outdir import REPORT_NAME
-from .shards import ShardWriter, TensorSpec
-from .packing import PACK_N_ALIGN, QUANT_SUFFIXES
+from .formats import RUNTIME_FORMAT, CheckpointFormat, get_format
+from .packing import PACK_N_ALIGN
+from .scheme import GROUP_SIZES, ModuleScheme
+from .shards import TensorSpec
 from .structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
 
 log = logging.getLogger(__name__)
@@ -42,6 +39,7 @@ class QuantizeOptions:
     ignore: tuple[str, ...] = ()
     max_shard_bytes: int = 2 * 1000**3
     method: str = "minmax"
+    checkpoint_format: str = RUNTIME_FORMAT
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,18 @@ class QuantizationPlan:
     dropped: frozenset[str] = field(default_factory=frozenset)
     tied_output: bool = False
     source_name: str | None = None  # what the user named (a Hub id or a path), for the model card
+    notes: tuple[str, ...] = ()  # choices the plan made that the user did not ask for
+
+    @property
+    def format(self) -> CheckpointFormat:
+        return get_format(self.options.checkpoint_format)
+
+    def scheme_of(self, module: str) -> ModuleScheme:
+        return self.qconfig.scheme_for(module)
 
     def output_config(self) -> dict:
         cfg = copy.deepcopy(self.source_config)
-        cfg["quantization_config"] = self.qconfig.to_dict()
+        cfg["quantization_config"] = self.format.quantization_config(self.qconfig)
         cfg["tie_word_embeddings"] = self.tied_output
         if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg["text_config"]:
             cfg["text_config"]["tie_word_embeddings"] = self.tied_output
@@ -76,7 +82,7 @@ class QuantizationPlan:
         """Each source tensor that is written (the dropped are not), in reading order, with the
         output modules quantized from it (empty: copied)."""
         infos = sorted(self.reader.infos.values(), key=lambda i: (str(i.file), i.name))
-        return [(i, self.sources_of(i.name)) for i in infos if i.name not in self.dropped]
+        return [(i, self.modules_from(i.name)) for i in infos if i.name not in self.dropped]
 
     def output_specs(self) -> list[TensorSpec]:
         """Every tensor the output will hold, in writing order."""
@@ -85,7 +91,7 @@ class QuantizationPlan:
             if not modules:
                 specs.append(TensorSpec(info.name, info.dtype, info.shape))
             for module in modules:
-                specs += cpu_int4_specs(module, info.shape, self.qconfig.group_size)
+                specs += self.format.tensor_specs(module, info.shape, self.scheme_of(module))
         return specs
 
     def disk_bytes_needed(self, calibration_tokens: int = 0) -> int:
@@ -97,7 +103,7 @@ class QuantizationPlan:
         hidden = self.source_config.get("hidden_size") or (self.source_config.get("text_config") or {}).get("hidden_size")
         return 2 * output + 2 * calibration_tokens * int(hidden or 0) * 4
 
-    def sources_of(self, tensor_name: str) -> list[str]:
+    def modules_from(self, tensor_name: str) -> list[str]:
         """Output modules quantized from this checkpoint tensor (empty: copy it)."""
         return [m for m, src in self.targets.items() if src == tensor_name]
 
@@ -113,6 +119,45 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     structure = inspect_structure(config)
     infos = reader.infos
     _check_architecture(model_dir, config, structure, infos)
+    for name, info in infos.items():
+        if not isinstance(info.dtype, torch.dtype):
+            raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
+    options, notes = _implied_options(options, structure)
+    targets, dropped, tied_output = _choose_targets(structure, infos, options)
+    _check_dtypes_and_shapes(targets, infos)
+    emb = structure.embedding
+    _check_out_dims({m: s for m, s in targets.items() if m != emb or tied_output}, infos)
+    qconfig = QuantizationConfig(
+        group_size=_choose_group_size(targets, infos, options.group_size),
+        ignore=tuple(options.ignore),
+        quantize_embedding=emb in targets,
+        method=options.method,
+        symmetric=options.symmetric,
+        clip_search=options.clip_search,
+    )
+    return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
+                            tied_output, notes=tuple(notes))
+
+
+def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tuple[QuantizeOptions, list[str]]:
+    """The options with what the format and the method require, and a note for each change."""
+    notes = []
+    emb, head = structure.embedding, structure.head
+    fmt = get_format(options.checkpoint_format)
+    if not fmt.quantizes_embedding and not options.keep_embedding and emb and not matches_ignore(emb, options.ignore):
+        options = dataclasses.replace(options, keep_embedding=True)
+        notes.append(f"the {fmt.name} format has no quantized vocabulary table: {emb} stays in bf16")
+    if options.method in CALIBRATED_METHODS and not options.untie_head and structure.tied and emb and head:
+        options = dataclasses.replace(options, untie_head=True)
+        notes.append(f"{options.method} quantizes the head on its own inputs: {head} is written untied "
+                     "(tie_word_embeddings false)")
+    return options, notes
+
+
+def _choose_targets(structure: ModelStructure, infos: dict[str, TensorInfo],
+                    options: QuantizeOptions) -> tuple[dict[str, str], set[str], bool]:
+    """(output module -> source tensor it is quantized from, source tensors not written, whether
+    the output's head stays tied to its table)."""
 
     def ignored(module: str) -> bool:
         return matches_ignore(module, options.ignore)
@@ -123,53 +168,21 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
             raise InputError(f"checkpoint has no tensor {name}, which the model's structure expects")
         return name
 
-    targets: dict[str, str] = {}
-    dropped: set[str] = set()
-    for module in structure.decoder_linears:
-        if not ignored(module):
-            targets[module] = weight(module)
-
     emb, head = structure.embedding, structure.head
-    head_in_ckpt = head is not None and f"{head}.weight" in infos
     source_tied = structure.tied and emb is not None and head is not None
+    if source_tied and options.untie_head and ignored(head):
+        raise InputError(f"--untie-head with {head} ignored would leave the head without weights")
+    if not source_tied and head is not None and options.untie_head:
+        log.info("the head is already untied; --untie-head changes nothing")
+    tied_output = source_tied and not options.untie_head
     quantize_embedding = emb is not None and not options.keep_embedding and not ignored(emb)
-    if quantize_embedding:
-        targets[emb] = weight(emb)
-    tied_output = source_tied
-    if source_tied:
-        if head_in_ckpt:
-            dropped.add(f"{head}.weight")  # redundant copy of the tied table
-        if options.untie_head:
-            tied_output = False
-            if not ignored(head):
-                targets[head] = weight(emb)
-            else:
-                raise InputError(f"--untie-head with {head} ignored would leave the head without weights")
-    elif head is not None and not ignored(head):
-        if options.untie_head:
-            log.info("the head is already untied; --untie-head changes nothing")
-        targets[head] = weight(head)
-
+    modules = structure.quantized_modules(options.ignore, quantize_embedding, tied_output)
+    # an untied head made from a tied table is quantized from the table
+    targets = {m: weight(emb if source_tied and m == head else m) for m in modules}
+    dropped = {f"{head}.weight"} if source_tied and f"{head}.weight" in infos else set()  # the tied copy
     if not targets:
         raise InputError("nothing to quantize: every linear is ignored")
-    _check_dtypes_and_shapes(targets, infos)
-    tinygemm = {m: s for m, s in targets.items() if m != emb or tied_output}
-    _check_out_dims(tinygemm, infos)
-    group_size = _choose_group_size(targets, infos, options.group_size)
-    qconfig = QuantizationConfig(
-        group_size=group_size,
-        ignore=tuple(options.ignore),
-        quantize_embedding=quantize_embedding,
-        method=options.method,
-        symmetric=options.symmetric,
-        clip_search=options.clip_search,
-    )
-    for name, info in infos.items():
-        if not isinstance(info.dtype, torch.dtype):
-            raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
-    return QuantizationPlan(
-        model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped), tied_output
-    )
+    return targets, dropped, tied_output
 
 
 def _check_architecture(model_dir: Path, config: dict, structure: ModelStructure, infos: dict[str, TensorInfo]) -> None:
@@ -219,99 +232,3 @@ def _choose_group_size(targets: dict[str, str], infos: dict[str, TensorInfo], re
         sizes = ", ".join(map(str, working)) or "none"
         raise InputError(f"group size {requested} does not divide {listed}{more}; sizes that work: {sizes}")
     return requested
-
-
-ProgressFn = Callable[[str, int], None]
-TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor measured 37% slower on a 6 GB model
-
-
-def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn | None = None) -> dict:
-    """Stream every tensor of the plan into ``out_dir`` (which must exist and be empty).
-
-    Returns the report (also written as quantization_report.json). ``progress(name, nbytes)``
-    is called after each source tensor.
-    """
-    start = time.perf_counter()
-    q = plan.qconfig
-    writer = ShardWriter(out_dir, plan.output_specs(), plan.options.max_shard_bytes)
-    per_tensor: dict[str, dict] = {}
-    quantized_params = quantized_bytes = 0
-    if progress:
-        for name in sorted(plan.dropped):
-            progress(name, plan.reader.infos[name].nbytes)
-    since_trim = 0
-    for info, modules in plan.reading_order():
-        name = info.name
-        tensor = plan.reader.get(name)
-        if not modules:
-            writer.add(name, tensor)
-        for module in modules:
-            tensors, stats = quantize_rtn(tensor, q)
-            per_tensor[module] = {"source": name, "shape": list(tensor.shape), **stats.as_dict()}
-            for suffix, t in tensors.items():
-                writer.add(f"{module}.{suffix}", t)
-                quantized_bytes += t.numel() * t.element_size()
-            quantized_params += tensor.numel()
-        del tensor
-        since_trim += info.nbytes
-        if since_trim >= TRIM_EVERY_BYTES:  # freed tensors go back to the OS: the heap cannot creep
-            release_free_memory()
-            since_trim = 0
-        if progress:
-            progress(name, info.nbytes)
-    shards = writer.finish()
-    copy_aux_files(plan.model_dir, out_dir)
-    write_json(out_dir / "config.json", plan.output_config())
-    report = build_report(plan, per_tensor, quantized_params, quantized_bytes, shards)
-    report["summary"]["seconds"] = round(time.perf_counter() - start, 3)
-    write_json(out_dir / REPORT_NAME, report)
-    return report
-
-
-def cpu_int4_specs(module: str, shape: tuple[int, ...], group_size: int) -> list[TensorSpec]:
-    """The three cpu_int4 tensors of a [N, K] weight quantized at ``group_size``."""
-    n, k = shape
-    groups = (n, k // group_size)
-    return [TensorSpec(f"{module}.weight_packed", torch.uint8, (n, k // 2)),
-            TensorSpec(f"{module}.weight_scale", torch.bfloat16, groups),
-            TensorSpec(f"{module}.weight_zero", torch.bfloat16, groups)]
-
-
-ROW_CHUNK = 2048  # rows quantized at a time, bounding fp32 temporaries to a few MB per 1k columns
-
-
-def quantize_rtn(weight: torch.Tensor, q: QuantizationConfig) -> tuple[dict[str, torch.Tensor], ErrorStats]:
-    """Round-to-nearest on the config's grid, in row chunks.
-
-    Returns the checkpoint tensors by suffix (``weight_packed``, ``weight_scale``,
-    ``weight_zero``) and the error statistics against ``weight``.
-    """
-    stats = ErrorStats()
-    parts: dict[str, list[torch.Tensor]] = {s: [] for s in QUANT_SUFFIXES}
-    for rows in weight.split(ROW_CHUNK):
-        gq = quantize_groupwise(rows, q.group_size, symmetric=q.symmetric, clip_search=q.clip_search)
-        stats.add(rows, gq.dequantize())
-        for suffix, t in gq.checkpoint_tensors().items():
-            parts[suffix].append(t)
-    return {k: torch.cat(v) for k, v in parts.items()}, stats
-
-
-def build_report(plan: QuantizationPlan, per_tensor, quantized_params, quantized_bytes, shards) -> dict:
-    """The quantization_report.json content (an exact tensor's SNR is null)."""
-    qconfig, source_bytes = plan.qconfig, plan.reader.total_bytes
-    snrs = [s["snr_db"] for s in per_tensor.values() if s["snr_db"] is not None]
-    output_bytes = sum(p.stat().st_size for p in shards)
-    return {
-        "source_model": plan.source_name or str(plan.model_dir),
-        "quantization_config": qconfig.to_dict(),
-        "summary": {
-            "tensors_quantized": len(per_tensor),
-            "quantized_params": quantized_params,
-            "bits_per_weight": round(8 * quantized_bytes / quantized_params, 4) if quantized_params else None,
-            "snr_db_min": round(min(snrs), 3) if snrs else None,
-            "snr_db_mean": round(sum(snrs) / len(snrs), 3) if snrs else None,
-            "source_bytes": source_bytes,
-            "output_bytes": output_bytes,
-        },
-        "tensors": per_tensor,
-    }

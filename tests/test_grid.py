@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.minmax import ErrorStats, quantize_groupwise
+from quantizer.grid import ErrorStats, quantize_groupwise
 
 BF16_EPS = 2.0**-8
 

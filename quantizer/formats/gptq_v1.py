@@ -1,5 +1,5 @@
 """The GPTQ checkpoint format (v1, ``checkpoint_format: gptq``), read by vLLM's W4A8 CPU path
-and GPTQ loaders. Pure tensor functions.
+and GPTQ loaders.
 
 Per linear ``<name>`` with weight [N, K] and G = K / group groups:
 
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .minmax import GroupQuantized
+from ..grid import MID, GroupQuantized
+from ..scheme import ModuleScheme
+from ..shards import TensorSpec
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
@@ -36,7 +38,7 @@ def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
 def zero_points(gq: GroupQuantized) -> torch.Tensor:
     """Integer zero points z [N, G] of a weight quantized with ``integer_zero``: zero = (8 - z) * scale."""
     s, zf = gq.scale.to(torch.float32), gq.zero.to(torch.float32)
-    z = torch.where(s == 0, torch.full_like(s, 8.0), 8.0 - zf / torch.where(s == 0, 1.0, s))
+    z = torch.where(s == 0, torch.full_like(s, float(MID)), MID - zf / torch.where(s == 0, 1.0, s))
     zi = torch.round(z)
     if not torch.equal(zi, z) or zi.min() < 1 or zi.max() > 15:
         raise ValueError("zero points are not integers in [1, 15]; quantize with integer_zero=True")
@@ -69,3 +71,39 @@ def gptq_quantization_config(group_size: int, symmetric: bool) -> dict:
         "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
         "lm_head": True, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": None,
     }
+
+
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class GptqV1Format:
+    name = quant_method = "gptq"
+    title, description = "GPTQ", "GPTQ v1 (qweight/qzeros/scales/g_idx)"
+    integer_zero, quantizes_embedding, marker = True, False, "qweight"
+    read_by = "vLLM and GPTQ loaders"
+
+    def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
+        n, k = shape
+        groups = k // scheme.group_size
+        return [TensorSpec(f"{module}.qweight", torch.int32, (k // 8, n)),
+                TensorSpec(f"{module}.qzeros", torch.int32, (groups, n // 8)),
+                TensorSpec(f"{module}.scales", torch.float16, (groups, n)),
+                TensorSpec(f"{module}.g_idx", torch.int32, (k,))]
+
+    def tensors(self, module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
+        return gptq_tensors(module, gq)
+
+    def quantization_config(self, qconfig) -> dict:
+        return gptq_quantization_config(qconfig.group_size, qconfig.symmetric)
+
+    def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
+        missing = [f"{module}.{s}" for s in SUFFIXES if f"{module}.{s}" not in infos]
+        if missing:
+            return [f"{missing[0]}: missing"]
+        k8, n = infos[f"{module}.qweight"].shape
+        want = {spec.name: spec for spec in self.tensor_specs(module, (n, 8 * k8), scheme)}
+        return [f"{name}: {infos[name].dtype} {list(infos[name].shape)}, expected {spec.dtype} {list(spec.shape)}"
+                for name, spec in want.items() if (infos[name].dtype, tuple(infos[name].shape)) != (spec.dtype, spec.shape)]
+
+
+FORMAT = GptqV1Format()

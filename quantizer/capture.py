@@ -1,0 +1,145 @@
+"""What a decoder layer sees: forward hooks that capture the calibration windows' inputs to the
+first layer, group a layer's linears by shared input, and feed a linear's inputs to a statistic.
+Every capture stops its forward pass as soon as it has what it needs."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Accumulator(Protocol):
+    def add(self, x: torch.Tensor) -> None:
+        """Fold in a batch of one linear's inputs [..., K]."""
+
+
+class _Stop(Exception):
+    """Raised from a hook to end a forward pass once the wanted inputs are captured."""
+
+
+def set_param(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def hidden_of(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class Replay(torch.nn.Module):
+    """Stands in for a decoder layer: the first returns stored hidden states, the rest pass through."""
+
+    def __init__(self, stored: torch.Tensor | None, as_tuple: bool):
+        super().__init__()
+        self.stored, self.as_tuple, self.index = stored, as_tuple, 0
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = hidden_states if self.stored is None else self.stored[self.index:self.index + 1]
+        return (out,) if self.as_tuple else out
+
+
+def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool):
+    """Run the model's own forward up to the first decoder layer. Returns (hidden states
+    [S, T, H] fp32 of every window, or None when not ``all_samples``; the layer's keyword
+    arguments for one window, which are the same for every window of that length)."""
+    captured: dict = {}
+
+    def hook(module, args, kwargs):
+        captured["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    hidden = None
+    try:
+        count = windows.shape[0] if all_samples else 1
+        for s in range(count):
+            try:
+                with torch.inference_mode():
+                    model(input_ids=windows[s:s + 1], use_cache=False)
+            except _Stop:
+                pass
+            if hidden is None:
+                hidden = torch.empty(count, *captured["hidden"].shape[1:], dtype=torch.float32)
+            hidden[s] = captured["hidden"][0].float()
+    finally:
+        handle.remove()
+    return (hidden if all_samples else None), captured["kwargs"]
+
+
+def linear_steps(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: set[str]) -> list[list[str]]:
+    """The layer's quantized linears in call order, grouped into steps of linears that receive
+    the very same input tensor (identity, not address: a freed input's address can be reused)."""
+    calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps them alive and distinct
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=name: calls.append((n, a[0])))
+             for name, m in layer.named_modules() if name in wanted]
+    try:
+        with torch.inference_mode():
+            layer(x, **kwargs)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    steps: list[list[str]] = []
+    last_input = None
+    for name, inp in calls:
+        if steps and inp is last_input and name not in steps[-1]:
+            steps[-1].append(name)
+        elif not any(name in s for s in steps):
+            steps.append([name])
+        last_input = inp
+    return steps
+
+
+def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int) -> None:
+    """Call ``run_window(s)`` for each window s, giving ``target``'s input to ``acc`` and
+    stopping each forward as soon as it has."""
+
+    def hook(module, args):
+        acc.add(args[0])
+        raise _Stop
+
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        with torch.inference_mode():
+            for s in range(count):
+                try:
+                    run_window(s)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+
+
+def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method) -> Accumulator:
+    """``method``'s statistic of the step's shared input over every window."""
+    first = layer.get_submodule(step[0])
+    acc = method.accumulator(first.in_features)
+    feed(first, acc, lambda s: layer(hidden[s:s + 1], **kwargs), hidden.shape[0])
+    return acc
+
+
+def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, method) -> Accumulator:
+    """The statistic of the head's inputs (the final norm's outputs), through the model's own
+    code: the decoder layers are replaced by a replay of the final hidden states."""
+    replay = Replay(hidden, as_tuple)
+    originals = list(layers)
+    for i in range(len(layers)):
+        layers[i] = replay if i == 0 else Replay(None, as_tuple)
+    head = model.get_output_embeddings()
+    for name, p in list(model.named_parameters()):
+        if p.is_meta and not name.startswith(head_name + "."):
+            set_param(model, name, reader.get(name).to(torch.float32))
+    acc = method.accumulator(head.in_features)
+
+    def run_window(s):
+        replay.index = s
+        model(input_ids=windows[s:s + 1], use_cache=False)
+
+    try:
+        feed(head, acc, run_window, windows.shape[0])
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+    return acc

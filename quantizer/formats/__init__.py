@@ -1,0 +1,60 @@
+"""Checkpoint formats: how a quantized module becomes tensors and a ``quantization_config``.
+
+A format is one module in this package exposing a ``FORMAT`` object with the
+:class:`CheckpointFormat` interface, registered by name in ``MODULES``; the pipelines, verify,
+the runtime, the CLI and the model card reach formats only through here. Importing this package
+does not import torch, so the CLI can list the names cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..grid import GroupQuantized
+    from ..scheme import ModuleScheme
+    from ..shards import TensorSpec
+
+MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1"}  # --format name -> module in this package
+NAMES = tuple(MODULES)
+RUNTIME_FORMAT = "cpu_int4"  # the one int4q's runtime runs, verify checks and the card shows how to run
+
+
+class CheckpointFormat(Protocol):
+    name: str  # the --format value
+    quant_method: str  # quantization_config.quant_method
+    integer_zero: bool  # the grid's zero must be an integer code (see grid.grid_params)
+    quantizes_embedding: bool  # whether the vocabulary table can be stored quantized
+    title: str  # its short name in prose
+    description: str  # one line for the model card
+    read_by: str  # the runtimes that load it
+    marker: str  # the suffix of the tensor that marks a module as quantized
+
+    def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
+        """The tensors (names, dtypes, shapes) that ``tensors`` returns for a [N, K] weight."""
+
+    def tensors(self, module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one quantized weight, by full name."""
+
+    def quantization_config(self, qconfig) -> dict:
+        """The ``quantization_config`` written to config.json for a run with this QuantizationConfig."""
+
+    def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
+        """What is wrong with one module's tensors (name -> TensorInfo): missing, dtype, shape."""
+
+
+def get_format(name: str) -> CheckpointFormat:
+    if name not in MODULES:
+        raise UnsupportedError(f"format {name!r} is not one of {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{MODULES[name]}").FORMAT
+
+
+def format_of_config(quantization_config: dict) -> CheckpointFormat | None:
+    """The format a config.json's ``quantization_config`` describes; None for an unknown method."""
+    method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
+    return next((f for f in map(get_format, NAMES) if f.quant_method == method), None)

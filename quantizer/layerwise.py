@@ -1,0 +1,173 @@
+"""The layer-by-layer calibration driver that every calibrated method runs on.
+
+Only the embedding and one decoder layer are ever materialised. The calibration windows go
+through the model's own code up to the first decoder layer (so its rotary tables and attention
+mask are the model's), then layer by layer: each layer's quantized linears are visited
+true-sequentially (the linears that share an input form one step: q/k/v, then o, then gate/up,
+then down, inputs re-captured after each step), and the *quantized* layer's outputs feed the
+next layer. Finished layers are saved with the hidden states after them, so an interrupted run
+can resume. The head is quantized last on the final hidden states; the vocabulary table, which
+sees no activations, by round-to-nearest.
+
+A method is a :class:`LayerwiseMethod`: per step the driver feeds the step's input to the
+method's accumulator, then asks it to quantize each linear of the step given that accumulator.
+
+Peak memory ~ one layer in fp32 + the step's accumulators + two copies of the calibration
+activations (nsamples x seqlen x hidden fp32).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from . import calib_state, capture
+from .capture import Accumulator
+from .checkpoint import CheckpointReader
+from .memory import proc_status_mb, release_free_memory
+from .grid import GroupQuantized
+from .planning import QuantizationPlan
+from .report import finish_output, module_entry
+from .rtn import quantize_module
+from .scheme import ModuleScheme
+from .shards import ShardWriter, TensorSpec, file_specs
+from .structure import build_empty_model, decoder_layers
+
+Say = Callable[[str], None]
+
+
+class LayerwiseMethod(Protocol):
+    def accumulator(self, in_features: int) -> Accumulator:
+        """A fresh statistic of a step's input."""
+
+    def quantize(self, weight: torch.Tensor, stats: Accumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
+        """One linear's weight [N, K] given its input's statistic: the quantized weight and a report entry."""
+
+
+def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, dtype=torch.float32) -> None:
+    """Load every parameter of ``module`` (as ``dtype``) from the checkpoint."""
+    for name, _ in list(module.named_parameters()):
+        capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(dtype))
+
+
+def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
+                  fingerprint: str, resume: bool = False, say: Say | None = None) -> dict:
+    """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
+    (the partial folder; its state subfolder holds the progress). Returns the report."""
+    start = time.perf_counter()
+    say = say or (lambda m: None)
+    state_dir = out_dir / calib_state.STATE_DIR
+    state = calib_state.load_state(state_dir, fingerprint, resume)
+    model = build_empty_model(plan.source_config).float()
+    layers_name, layers = decoder_layers(model)
+    emb = model.get_input_embeddings()
+    _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16)  # a lookup: bf16 is exact
+    # ...but its output must be fp32, or the model derives bf16 rotary tables from its dtype
+    emb.register_forward_hook(lambda module, args, out: out.float())
+
+    per_tensor: dict[str, dict] = state["tensors"]
+    done, as_tuple = state["layers_done"], state.get("as_tuple", False)
+    hidden, kwargs = capture.capture_inputs(model, layers, windows, all_samples=done == 0)
+    if done:
+        hidden = calib_state.read_safetensors(calib_state.hidden_file(state_dir, done))["hidden"]
+        say(f"resuming after layer {done}/{len(layers)}")
+    for i in range(done, len(layers)):
+        layer_start = time.perf_counter()
+        prefix = f"{layers_name}.{i}"
+        _materialize(layers[i], prefix, plan.reader)
+        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor)
+        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs)
+        for name in plan.reader.infos:
+            if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
+                out_tensors[name] = plan.reader.get(name)
+        layers[i].to("meta")
+        calib_state.save_state(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden)
+        release_free_memory()
+        say(f"layer {i + 1}/{len(layers)} quantized in {time.perf_counter() - layer_start:.1f} s "
+            f"(peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB)")
+
+    head_tensors = {}
+    head = plan.structure.head
+    if head in plan.targets:
+        say("quantizing the head on the final hidden states")
+        acc = capture.head_statistic(model, layers, plan.reader, hidden, windows, as_tuple, head, method)
+        head_tensors = _quantize_weight(plan, method, head, plan.reader.get(plan.targets[head]), acc, per_tensor)[1]
+        del acc
+    shards = _write_output(plan, out_dir, layers_name, len(layers), head_tensors, per_tensor)
+    damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
+    return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries)
+
+
+def _quantize_weight(plan, method, module: str, weight: torch.Tensor, acc, per_tensor: dict):
+    """(the quantized weight, its tensors in the plan's format); records its report entry."""
+    gq, stats = method.quantize(weight, acc, plan.scheme_of(module))
+    tensors = plan.format.tensors(module, gq)
+    per_tensor[module] = module_entry(plan.targets[module], weight.shape, tensors, stats)
+    return gq, tensors
+
+
+def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict) -> dict[str, torch.Tensor]:
+    """Quantize the layer's target linears step by step, leaving their dequantized weights in
+    place for the later steps; returns their checkpoint tensors."""
+    wanted = {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
+    out_tensors: dict[str, torch.Tensor] = {}
+    for step in capture.linear_steps(layer, hidden[:1], kwargs, wanted):
+        acc = capture.accumulate(layer, step, hidden, kwargs, method)
+        for name in step:
+            linear = layer.get_submodule(name)
+            gq, tensors = _quantize_weight(plan, method, f"{prefix}.{name}", linear.weight, acc, per_tensor)
+            out_tensors.update(tensors)
+            linear.weight.data = gq.dequantize()
+        del acc
+    return out_tensors
+
+
+def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool]:
+    """The (quantized) layer's outputs for every window, and whether the layer returns a tuple."""
+    hidden_out = torch.empty_like(hidden)
+    as_tuple = False
+    with torch.inference_mode():
+        for s in range(hidden.shape[0]):
+            out = layer(hidden[s:s + 1], **kwargs)
+            as_tuple = isinstance(out, tuple)
+            hidden_out[s:s + 1] = capture.hidden_of(out)
+    return hidden_out, as_tuple
+
+
+def _write_output(plan: QuantizationPlan, out_dir: Path, layers_name: str, n_layers: int,
+                  head_tensors: dict[str, torch.Tensor], per_tensor: dict) -> list[Path]:
+    """The shards: every saved layer, the head, then the tensors outside the layers (the
+    vocabulary table quantized by round-to-nearest). Returns the shard paths."""
+    state_dir = out_dir / calib_state.STATE_DIR
+    reader, head_done = plan.reader, plan.structure.head in plan.targets
+    rest = [name for name in sorted(reader.infos)
+            if not (name.startswith(layers_name + ".") or name in plan.dropped
+                    or (head_done and name.removesuffix(".weight") == plan.structure.head))]
+    specs = [spec for i in range(n_layers) for spec in file_specs(calib_state.layer_file(state_dir, i))]
+    specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
+    for name in rest:
+        info, module = reader.infos[name], name.removesuffix(".weight")
+        specs += (plan.format.tensor_specs(module, info.shape, plan.scheme_of(module)) if module in plan.targets
+                  else [TensorSpec(name, info.dtype, info.shape)])
+    writer = ShardWriter(out_dir, specs, plan.options.max_shard_bytes)
+    for i in range(n_layers):
+        for name, t in calib_state.read_safetensors(calib_state.layer_file(state_dir, i)).items():
+            writer.add(name, t)
+    for name, t in head_tensors.items():
+        writer.add(name, t)
+    for name in rest:
+        module, tensor = name.removesuffix(".weight"), reader.get(name)
+        if module in plan.targets:
+            tensors, entry = quantize_module(plan, module, tensor)
+            per_tensor[module] = {**entry, "method": "minmax"}
+            for tname, t in tensors.items():
+                writer.add(tname, t)
+        else:
+            writer.add(name, tensor)
+    shards = writer.finish()
+    shutil.rmtree(state_dir)
+    return shards
