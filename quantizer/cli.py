@@ -17,6 +17,7 @@ from .config import CALIBRATED_METHODS, METHODS
 from .errors import Int4qError
 from .formats import NAMES as FORMAT_NAMES
 from .formats import RUNTIME_FORMAT
+from .recipes import RECIPES
 
 
 class Int4qGroup(click.Group):
@@ -84,6 +85,13 @@ def _group_size(value: str) -> int | None:
     return None if value == "auto" else int(value)
 
 
+DEFAULT_NSAMPLES = {"gptq": 128, "weighted": 16}
+
+
+def _bits(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
 @main.command()
 @click.option("--model", "model", required=True, help="bf16/fp16/fp32 model folder or Hub repo id.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output folder.")
@@ -93,11 +101,25 @@ def _group_size(value: str) -> int | None:
     help="Input columns per scale/zero group; auto = largest of 128/64/32 dividing every input dim.",
 )
 @click.option("--method", default="minmax", show_default=True, type=click.Choice(METHODS),
-              help="minmax: round-to-nearest on each group's min/max grid; gptq: GPTQ with calibration text.")
+              help="minmax: round-to-nearest on each group's min/max grid; weighted: round-to-nearest on grids "
+                   "chosen by the error weighted by each input column's mean squared activation (calibration "
+                   "text); gptq: GPTQ with calibration text.")
 @click.option("--sym/--asym", "symmetric", default=False, show_default=True,
               help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.")
 @click.option("--search", "clip_search", is_flag=True, help="Per-group clipping search minimising squared error.")
-@click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16.")
+@click.option("--strict-group-size", is_flag=True,
+              help="Fail when --group-size does not divide a tensor's input dim, instead of falling back to "
+                   "the largest smaller group that does (64, then 32; 8-bit when none does).")
+@click.option("--recipe", default="all4", show_default=True, type=click.Choice(list(RECIPES)),
+              help="Per-module precision: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()) + ".")
+@click.option("--embedding-bits", type=click.Choice(["4", "8", "16"]),
+              help="Bits of the vocabulary table (16 keeps it in bf16). Default: the recipe's.")
+@click.option("--head-bits", type=click.Choice(["4", "8", "16"]),
+              help="Bits of the output head. Default: the table's when they are tied, else the recipe's.")
+@click.option("--override", "overrides", multiple=True, metavar="PATTERN=BITS[:GROUP]",
+              help="Bits (and group) for modules named PATTERN or ending in .PATTERN, e.g. down_proj=8, "
+                   "lm_head=4:32, mlp.up_proj=16; repeatable, the last match wins.")
+@click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16 (--embedding-bits 16).")
 @click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
@@ -106,28 +128,31 @@ def _group_size(value: str) -> int | None:
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="[gptq] Calibration text (plain, or .jsonl with a 'text' field). Default: the calibration "
                    "half of CPython's pydoc_data.topics (verify evaluates on the other half).")
-@click.option("--nsamples", default=128, show_default=True, type=click.IntRange(1, 100_000),
-              help="[gptq] Calibration windows.")
+@click.option("--nsamples", type=click.IntRange(1, 100_000),
+              help="[gptq, weighted] Calibration windows. Default: 128 for gptq, 16 for weighted.")
 @click.option("--seqlen", default=512, show_default=True, type=click.IntRange(8, 100_000),
-              help="[gptq] Tokens per calibration window.")
+              help="[gptq, weighted] Tokens per calibration window.")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
 @click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="[gptq] Dampening, as a fraction of the mean Hessian diagonal.")
-@click.option("--seed", default=0, show_default=True, type=int, help="[gptq] Seed for the calibration windows.")
+@click.option("--weighted-grids", is_flag=True,
+              help="[gptq] Choose each group's grid by the search weighted by diag(H) before the solve.")
+@click.option("--seed", default=0, show_default=True, type=int, help="[gptq, weighted] Seed for the calibration windows.")
 @click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
 @click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,
               type=click.Choice(FORMAT_NAMES),
               help="cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
                    "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
-def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedding, untie_head, ignore,
-             max_shard_size, overwrite, progress, calib, nsamples, seqlen, act_order, damp, seed, resume,
-             checkpoint_format):
+def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
+             head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, progress, calib,
+             nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, checkpoint_format):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from .gptq_method import GptqOptions
     from .memory import peak_rss_mb
     from .planning import QuantizeOptions
     from .quantize import CalibrationInputs, quantize_checkpoint
+    from .recipes import Override
     from .shards import parse_size
 
     if method not in CALIBRATED_METHODS and (calib or resume):
@@ -138,9 +163,13 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
         group_size=_group_size(group_size), symmetric=symmetric, clip_search=clip_search,
         keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
         max_shard_bytes=parse_size(max_shard_size), method=method, checkpoint_format=checkpoint_format,
+        recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
+        overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
     )
+    if nsamples is None:
+        nsamples = DEFAULT_NSAMPLES.get(method, 128)
     calibration = CalibrationInputs(calib, GptqOptions(nsamples=nsamples, seqlen=seqlen, act_order=act_order,
-                                                       damp=damp, seed=seed), resume)
+                                                       damp=damp, seed=seed, weighted_grids=weighted_grids), resume)
     start = time.perf_counter()
     shown = _ShownProgress(progress)
     try:
@@ -150,7 +179,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, keep_embedd
     s = report["summary"]
     click.echo(
         f"quantized {s['tensors_quantized']} tensors at group {report['quantization_config']['group_size']}: "
-        f"{s['bits_per_weight']} bits/weight, min SNR {s['snr_db_min']} dB, "
+        f"{s['bits_per_weight']} bits/weight ({s['whole_model_bits_per_weight']} for the whole model), "
+        f"min SNR {s['snr_db_min']} dB, {len(report['fallbacks'])} group fallbacks, "
         f"{s['source_bytes'] / 1e6:.1f} MB -> {s['output_bytes'] / 1e6:.1f} MB in "
         f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mb():.0f} MiB -> {out}"
     )

@@ -12,8 +12,9 @@ from .scheme import KEPT_BITS, ModuleScheme
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
-METHODS = ("minmax", "gptq")
-CALIBRATED_METHODS = ("gptq",)  # each quantizes the head on its own inputs, so the head is written untied
+METHODS = ("minmax", "gptq", "weighted")
+CALIBRATED_METHODS = ("gptq", "weighted")
+UNTIED_HEAD_METHODS = ("gptq",)  # each quantizes the head by itself on its inputs, so a tied head is untied
 
 
 def matches_ignore(module_name: str, patterns) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import ROW_CHUNK, GroupQuantized, grid_params, grid_values, round_to_grid
+from .grid import ROW_CHUNK, GroupQuantized, grid_params, grid_values, round_to_grid, weighted_grid_search
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool = False,
                   act_order: bool = True, damp: float = 0.01, block_size: int = 128,
-                  integer_zero: bool = False) -> tuple[GroupQuantized, GptqInfo]:
+                  integer_zero: bool = False, weighted_grids: bool = False) -> tuple[GroupQuantized, GptqInfo]:
     """Quantize W [N, K] (any float dtype) against Hessian H [K, K] fp32. Returns the quantized
     weight (codes in the original column order; scale/zero as stored, see ``grid_params`` for
-    ``integer_zero``) and what the solve did."""
+    ``integer_zero``) and what the solve did. With ``weighted_grids`` each group's grid is chosen
+    by the search weighted by diag(H) (grid.weighted_grid_search) instead of its min/max."""
     k = W.shape[1]
     if k % group_size:
         raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
@@ -87,28 +88,34 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: 
     H[dead, dead] = 1.0
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
     U, used_damp, retries = _inverse_cholesky(H[perm][:, perm], damp)
-    parts = [_solve_rows(rows, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero)
+    weights = torch.diag(H).masked_fill(dead, 0.0) if weighted_grids else None
+    parts = [_solve_rows(rows, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero, weights)
              for rows in W.split(ROW_CHUNK)]
     gq = GroupQuantized(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.zero) for p in parts))))
     return gq, GptqInfo(used_damp, retries, int(dead.sum()))
 
 
-def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero) -> GroupQuantized:
+def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero,
+                weights=None) -> GroupQuantized:
     """The GPTQ column loop for rows W [n, K], given the upper Cholesky factor U of the
-    (permuted, damped) inverse Hessian."""
+    (permuted, damped) inverse Hessian; ``weights`` [K] (original order) for weighted grids."""
     W = W.to(torch.float32).clone()
     W[:, dead] = 0.0
     n, k = W.shape
     groups = k // group_size
 
-    def params_of(cols: torch.Tensor):
-        return grid_params(cols.amin(-1), cols.amax(-1), symmetric, integer_zero)
+    def params_of(cols: torch.Tensor, first: int):
+        """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``."""
+        if weights is None:
+            return grid_params(cols.amin(-1), cols.amax(-1), symmetric, integer_zero)
+        w = weights[first:first + cols.shape[1] * group_size].reshape(cols.shape[1], group_size)
+        return weighted_grid_search(cols, w, symmetric, integer_zero)[:2]
 
     stored = torch.float32 if integer_zero else torch.bfloat16
     scale = torch.empty(n, groups, dtype=stored)
     zero = torch.empty(n, groups, dtype=stored)
     if act_order:
-        s, z = params_of(W.reshape(n, groups, group_size))  # static groups, from the original weights
+        s, z = params_of(W.reshape(n, groups, group_size), 0)  # static groups, from the original weights
         scale[:], zero[:] = s, z
         W = W[:, perm]
     group_of = perm // group_size  # group of each (permuted) column
@@ -124,7 +131,7 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
             if not act_order and col % group_size == 0:
                 # lazy groups: params from the weights as updated so far (this block's in W1)
                 cols = torch.cat([W1[:, i:i + group_size], W[:, i2:col + group_size]], dim=1)
-                s, z = params_of(cols.unsqueeze(1))
+                s, z = params_of(cols.unsqueeze(1), col)
                 scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
             w = W1[:, i]
             q = round_to_grid(w.unsqueeze(-1), scale[:, g], zero[:, g]).squeeze(-1)

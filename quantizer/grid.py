@@ -1,4 +1,4 @@
-"""The group-wise 4-bit grid every method quantizes onto, and round-to-nearest. Pure tensor functions.
+"""The grids every method quantizes onto, and round-to-nearest. Pure tensor functions.
 
 A weight [N, K] is cut into groups of ``group_size`` consecutive input columns. Each group has a
 bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8) * scale + zero``.
@@ -9,6 +9,8 @@ bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8)
   [-8, 7] * scale still covers the group.
 
 Codes are always chosen against the scale and zero *as stored* (rounded to bf16).
+
+8-bit modules use one symmetric grid per output channel: ``w = q * scale``, q in [-127, 127].
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ QMAX = 15
 MID = 8  # the code that dequantizes to ``zero``
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
+WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist()
 
 
 @dataclass(frozen=True)
@@ -99,13 +102,18 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
 
 
 def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False,
-                       integer_zero: bool = False) -> GroupQuantized:
+                       integer_zero: bool = False, column_weights: torch.Tensor | None = None) -> GroupQuantized:
     """Round-to-nearest quantization of w [N, K] (any float dtype); ``integer_zero`` as in :func:`grid_params`.
 
     With ``clip_search`` each group's range is shrunk towards its centre (symmetric: towards 0)
-    by the factor in ``CLIP_SHRINKS`` that minimises that group's squared error.
+    by the factor in ``CLIP_SHRINKS`` that minimises that group's squared error. With
+    ``column_weights`` [K] (each input column's mean squared activation) each group's grid is
+    the one of :func:`weighted_grid_search`.
     """
     g = _grouped(w, group_size)
+    if column_weights is not None:
+        scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, integer_zero)
+        return GroupQuantized(codes.reshape(w.shape), scale, zero)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, integer_zero)
     codes = round_to_grid(g, scale, zero)
@@ -129,8 +137,48 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     return GroupQuantized(codes.reshape(n, k), scale, zero)
 
 
-def _group_sq_error(g, codes, scale, zero) -> torch.Tensor:
-    return (grid_values(codes, scale, zero) - g).pow(2).sum(dim=-1)
+def _group_sq_error(g, codes, scale, zero, weights=None) -> torch.Tensor:
+    err = (grid_values(codes, scale, zero) - g).pow(2)
+    return (err if weights is None else err * weights).sum(dim=-1)
+
+
+def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool,
+                         integer_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
+    weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0.
+
+    Candidates: the min/max grid, each range shrunk by the factors of ``WEIGHTED_SHRINKS``, and for
+    each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a
+    candidate, so the result is never worse than it on this objective.
+    """
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale, zero = grid_params(lo, hi, symmetric, integer_zero)
+    best = _group_sq_error(g, round_to_grid(g, scale, zero), scale, zero, weights)
+    mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
+    for shrink in WEIGHTED_SHRINKS:
+        c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, integer_zero)
+        c_codes = round_to_grid(g, c_scale, c_zero)
+        for c_scale, c_zero in ((c_scale, c_zero), _least_squares_grid(g, c_codes, weights, symmetric, integer_zero)):
+            err = _group_sq_error(g, round_to_grid(g, c_scale, c_zero), c_scale, c_zero, weights)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
+    return scale, zero, round_to_grid(g, scale, zero)
+
+
+def _least_squares_grid(g, codes, weights, symmetric: bool, integer_zero: bool):
+    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - 8) * scale + zero."""
+    u = codes.to(torch.float32) - MID
+    sw, su, suu = weights.sum(-1), (weights * u).sum(-1), (weights * u * u).sum(-1)
+    sw_w, su_w = (weights * g).sum(-1), (weights * u * g).sum(-1)
+    if symmetric:
+        scale, zero = su_w / suu.clamp(min=1e-30), torch.zeros_like(su_w)
+    else:
+        det = (suu * sw - su * su).clamp(min=1e-30)
+        scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
+    scale = scale.clamp(min=0.0)
+    lo, hi = zero - MID * scale, zero + (QMAX - MID) * scale
+    return grid_params(lo, hi, symmetric, integer_zero)
 
 
 class ErrorStats:
@@ -161,3 +209,31 @@ class ErrorStats:
         """JSON-ready: an exact tensor's infinite SNR becomes null."""
         snr = self.snr_db
         return {"snr_db": round(snr, 4) if math.isfinite(snr) else None, "max_abs_err": self.max_abs_err}
+
+
+QMAX8 = 127
+
+
+@dataclass(frozen=True)
+class ChannelQuantized:
+    """An 8-bit weight: symmetric codes int8 [N, K] in -127..127 and one bf16 scale per output
+    channel [N, 1], dequantized as ``q * scale``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.codes.to(torch.float32) * self.scale.to(torch.float32)).to(dtype)
+
+    def rows(self, rows: slice) -> "ChannelQuantized":
+        return ChannelQuantized(self.codes[rows], self.scale[rows])
+
+
+def quantize_per_channel(w: torch.Tensor) -> ChannelQuantized:
+    """Round-to-nearest on the symmetric 8-bit grid of each output channel of w [N, K]; the codes
+    are chosen against the scale as stored (bf16), so no code leaves -127..127."""
+    absmax = w.to(torch.float32).abs().amax(dim=1, keepdim=True)
+    scale = (absmax / QMAX8).to(torch.bfloat16)
+    s = scale.to(torch.float32)
+    codes = torch.round(w.to(torch.float32) / torch.where(s == 0, 1.0, s)).clamp_(-QMAX8, QMAX8)
+    return ChannelQuantized(codes.to(torch.int8), scale)

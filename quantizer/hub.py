@@ -16,6 +16,8 @@ from .formats import RUNTIME_FORMAT, format_of_config, get_format
 
 log = logging.getLogger(__name__)
 CARD_NAME = "README.md"
+METHOD_NAMES = {"gptq": "GPTQ", "minmax": "round-to-nearest on the min/max grid",
+                "weighted": "round-to-nearest on activation-weighted grids"}
 RETRIES = 3  # attempts for a push that fails on a connection error or a 5xx
 
 
@@ -98,12 +100,17 @@ def model_card(folder: Path, repo_id: str) -> str:
         f"A 4-bit group-wise quantization{f' of `{base}`' if base else ''}, made with int4q.", "",
         "| | |", "| --- | --- |",
         f"| format | {fmt.description} |",
-        f"| method | {'GPTQ' if method == 'gptq' else 'round-to-nearest on the min/max grid'} |",
+        f"| method | {METHOD_NAMES.get(method, method)} |",
         f"| group size | {qc.get('group_size')} |",
         f"| grid | {'symmetric' if symmetric else 'asymmetric'} |",
     ]
+    if report.get("recipe"):
+        lines.append(f"| precision recipe | {report['recipe']} ({len(qc.get('modules') or {})} modules not 4-bit "
+                     f"g{qc.get('group_size')}) |")
     if summary.get("bits_per_weight"):
         lines.append(f"| bits per weight (quantized tensors) | {summary['bits_per_weight']} |")
+    if summary.get("whole_model_bits_per_weight"):
+        lines.append(f"| bits per weight (whole model) | {summary['whole_model_bits_per_weight']} |")
     if calib:
         lines.append(f"| calibration | {calib.get('nsamples')} x {calib.get('seqlen')} tokens of {calib.get('text')} |")
     fid = verify.get("fidelity")

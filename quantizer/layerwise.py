@@ -91,15 +91,23 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
             f"(peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB)")
 
     head_tensors = {}
-    head = plan.structure.head
-    if head in plan.targets:
-        say("quantizing the head on the final hidden states")
-        acc = capture.head_statistic(model, layers, plan.reader, hidden, windows, as_tuple, head, method)
+    head = _head_target(plan)
+    if head:
+        say(f"quantizing {head} on the final hidden states")
+        acc = capture.head_statistic(model, layers, plan.reader, hidden, windows, as_tuple, plan.structure.head, method)
         head_tensors = _quantize_weight(plan, method, head, plan.reader.get(plan.targets[head]), acc, per_tensor)[1]
         del acc
-    shards = _write_output(plan, out_dir, layers_name, len(layers), head_tensors, per_tensor)
+    shards = _write_output(plan, out_dir, layers_name, len(layers), head, head_tensors, per_tensor)
     damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
     return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries)
+
+
+def _head_target(plan: QuantizationPlan) -> str | None:
+    """The module quantized on the head's inputs: the head, or the table when the head is tied to it."""
+    head, emb = plan.structure.head, plan.structure.embedding
+    if head in plan.targets:
+        return head
+    return emb if plan.tied_output and emb in plan.targets else None
 
 
 def _quantize_weight(plan, method, module: str, weight: torch.Tensor, acc, per_tensor: dict):
@@ -138,15 +146,15 @@ def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tens
     return hidden_out, as_tuple
 
 
-def _write_output(plan: QuantizationPlan, out_dir: Path, layers_name: str, n_layers: int,
+def _write_output(plan: QuantizationPlan, out_dir: Path, layers_name: str, n_layers: int, head: str | None,
                   head_tensors: dict[str, torch.Tensor], per_tensor: dict) -> list[Path]:
-    """The shards: every saved layer, the head, then the tensors outside the layers (the
-    vocabulary table quantized by round-to-nearest). Returns the shard paths."""
+    """The shards: every saved layer, the head (or the tied table), then the tensors outside the
+    layers (an untied table quantized by round-to-nearest). Returns the shard paths."""
     state_dir = out_dir / calib_state.STATE_DIR
-    reader, head_done = plan.reader, plan.structure.head in plan.targets
+    reader = plan.reader
     rest = [name for name in sorted(reader.infos)
             if not (name.startswith(layers_name + ".") or name in plan.dropped
-                    or (head_done and name.removesuffix(".weight") == plan.structure.head))]
+                    or (head and name == f"{head}.weight"))]
     specs = [spec for i in range(n_layers) for spec in file_specs(calib_state.layer_file(state_dir, i))]
     specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
     for name in rest:

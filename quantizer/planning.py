@@ -13,18 +13,18 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointReader, TensorInfo, read_config
-from .config import CALIBRATED_METHODS, QuantizationConfig, matches_ignore
+from .config import UNTIED_HEAD_METHODS, QuantizationConfig, matches_ignore
 from .errors import InputError
 from .formats import RUNTIME_FORMAT, CheckpointFormat, get_format
 from .packing import PACK_N_ALIGN
-from .scheme import GROUP_SIZES, ModuleScheme
+from .recipes import Override, assign_schemes, recipe_bits
+from .scheme import KEPT_BITS, ModuleScheme
 from .shards import TensorSpec
 from .structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
 
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-AUTO_GROUP_SIZES = (128, 64, 32)
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class QuantizeOptions:
     max_shard_bytes: int = 2 * 1000**3
     method: str = "minmax"
     checkpoint_format: str = RUNTIME_FORMAT
+    recipe: str = "all4"
+    embedding_bits: int | None = None  # None: the recipe's (16 with keep_embedding)
+    head_bits: int | None = None  # None: the table's when tied, else the recipe's
+    overrides: tuple[Override, ...] = ()
+    strict_group_size: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class QuantizationPlan:
     tied_output: bool = False
     source_name: str | None = None  # what the user named (a Hub id or a path), for the model card
     notes: tuple[str, ...] = ()  # choices the plan made that the user did not ask for
+    fallbacks: dict[str, str] = field(default_factory=dict)  # module -> why its group or bits differ
 
     @property
     def format(self) -> CheckpointFormat:
@@ -125,33 +131,88 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     options, notes = _implied_options(options, structure)
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
+    base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
+    group, schemes, fallbacks = assign_schemes({m: infos[s].shape[1] for m, s in targets.items()}, base_bits,
+                                               options.group_size, options.symmetric, options.overrides,
+                                               options.strict_group_size)
+    _check_schemes(schemes, get_format(options.checkpoint_format))
     emb = structure.embedding
-    _check_out_dims({m: s for m, s in targets.items() if m != emb or tied_output}, infos)
+    _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos)
+    default = ModuleScheme(4, group, options.symmetric)
     qconfig = QuantizationConfig(
-        group_size=_choose_group_size(targets, infos, options.group_size),
+        group_size=group,
         ignore=tuple(options.ignore),
         quantize_embedding=emb in targets,
         method=options.method,
         symmetric=options.symmetric,
         clip_search=options.clip_search,
+        modules={m: scheme.to_dict() for m, scheme in schemes.items() if scheme != default},
     )
     return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
-                            tied_output, notes=tuple(notes))
+                            tied_output, notes=tuple(notes), fallbacks=fallbacks)
+
+
+def _base_bits(module: str, structure: ModelStructure, options: QuantizeOptions, config: dict) -> int:
+    if module == structure.embedding:
+        return options.embedding_bits
+    if module == structure.head:
+        return options.head_bits
+    n_layers = (config.get("text_config") or config).get("num_hidden_layers") or 0
+    return recipe_bits(options.recipe, module, False, n_layers)
+
+
+def _check_schemes(schemes: dict[str, ModuleScheme], fmt: CheckpointFormat) -> None:
+    bad = sorted(m for m, scheme in schemes.items() if scheme.bits not in fmt.bits)
+    if bad:
+        raise InputError(f"the {fmt.name} format stores {'/'.join(map(str, fmt.bits))}-bit modules only, and "
+                         f"{bad[0]} would be {schemes[bad[0]].bits}-bit; choose another --format or recipe")
 
 
 def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tuple[QuantizeOptions, list[str]]:
-    """The options with what the format and the method require, and a note for each change."""
+    """The options with every precision decided (the table's and the head's bits, kept modules
+    added to ``ignore``) and what the format and the method require; a note for each change the
+    user did not ask for."""
     notes = []
     emb, head = structure.embedding, structure.head
+    kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
+    options = dataclasses.replace(options, ignore=options.ignore + kept)
     fmt = get_format(options.checkpoint_format)
-    if not fmt.quantizes_embedding and not options.keep_embedding and emb and not matches_ignore(emb, options.ignore):
-        options = dataclasses.replace(options, keep_embedding=True)
+    table = _table_bits(options, emb)
+    if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
+        if options.embedding_bits is not None:
+            raise InputError(f"the {fmt.name} format has no quantized vocabulary table; drop --embedding-bits")
+        table = KEPT_BITS
         notes.append(f"the {fmt.name} format has no quantized vocabulary table: {emb} stays in bf16")
-    if options.method in CALIBRATED_METHODS and not options.untie_head and structure.tied and emb and head:
-        options = dataclasses.replace(options, untie_head=True)
-        notes.append(f"{options.method} quantizes the head on its own inputs: {head} is written untied "
-                     "(tie_word_embeddings false)")
-    return options, notes
+    source_tied = structure.tied and emb is not None and head is not None
+    own_head = not source_tied or options.untie_head or options.method in UNTIED_HEAD_METHODS
+    head_bits = options.head_bits or (recipe_bits(options.recipe, head or "", True, 0) if own_head else table)
+    if head and matches_ignore(head, options.ignore):
+        head_bits = KEPT_BITS
+    options = dataclasses.replace(options, embedding_bits=table, head_bits=head_bits,
+                                  keep_embedding=table == KEPT_BITS)
+    if not source_tied:
+        if head and head_bits == KEPT_BITS and not matches_ignore(head, options.ignore):
+            options = dataclasses.replace(options, ignore=options.ignore + (head,))
+        return options, notes
+    if head_bits == KEPT_BITS and table != KEPT_BITS:
+        raise InputError(f"{head} shares the table in this model, so it can stay in bf16 only with the table: "
+                         "add --embedding-bits 16, or give the head 4 or 8 bits")
+    calibrated_head = head_bits == 4 and options.method in UNTIED_HEAD_METHODS  # an 8-bit head is not solved
+    untie = options.untie_head or head_bits != table or calibrated_head
+    if untie and not options.untie_head:
+        why = (f"{options.method} quantizes the head on its own inputs" if calibrated_head
+               else f"{head} has {head_bits} bits and the table {table}")
+        notes.append(f"{why}: {head} is written untied (tie_word_embeddings false)")
+    return dataclasses.replace(options, untie_head=untie), notes
+
+
+def _table_bits(options: QuantizeOptions, emb: str | None) -> int:
+    if options.keep_embedding or (emb and matches_ignore(emb, options.ignore)):
+        if options.embedding_bits not in (None, KEPT_BITS):
+            raise InputError(f"--keep-embedding (or --ignore of the table) contradicts --embedding-bits "
+                             f"{options.embedding_bits}")
+        return KEPT_BITS
+    return options.embedding_bits or recipe_bits(options.recipe, emb or "", True, 0)
 
 
 def _choose_targets(structure: ModelStructure, infos: dict[str, TensorInfo],
@@ -212,23 +273,3 @@ def _check_out_dims(targets: dict[str, str], infos: dict[str, TensorInfo]) -> No
             f"the tinygemm kernel needs output dims that are multiples of {PACK_N_ALIGN}: {listed}; "
             "leave them in bf16 with --ignore"
         )
-
-
-def _choose_group_size(targets: dict[str, str], infos: dict[str, TensorInfo], requested: int | None) -> int:
-    in_dims = {src: infos[src].shape[1] for src in targets.values()}
-    working = [g for g in GROUP_SIZES if all(k % g == 0 for k in in_dims.values())]
-    if requested is None:
-        for g in AUTO_GROUP_SIZES:
-            if g in working:
-                return g
-        raise InputError(
-            f"no group size in {AUTO_GROUP_SIZES} divides every input dim ({sorted(set(in_dims.values()))}); "
-            "leave the odd tensors in bf16 with --ignore"
-        )
-    bad = {src: k for src, k in in_dims.items() if k % requested}
-    if bad:
-        listed = ", ".join(f"{n} (K={k})" for n, k in sorted(bad.items())[:4])
-        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-        sizes = ", ".join(map(str, working)) or "none"
-        raise InputError(f"group size {requested} does not divide {listed}{more}; sizes that work: {sizes}")
-    return requested

@@ -71,7 +71,7 @@ def _run_streamed(plan, out: Path, overwrite: bool, inputs: list[Path], progress
 
 def _run_calibrated(plan, model_dir: Path, out: Path, overwrite: bool, inputs: list[Path],
                     calibration: CalibrationInputs, progress: Progress) -> dict:
-    from .gptq_method import run_gptq
+    from .calibrated import run_calibrated
     from .outdir import atomic_output_dir, partial_dir
     from .runtime import load_tokenizer
     from .textdata import load_text
@@ -80,8 +80,8 @@ def _run_calibrated(plan, model_dir: Path, out: Path, overwrite: bool, inputs: l
     tokenizer = load_tokenizer(model_dir)
     try:
         with atomic_output_dir(out, overwrite, keep_partial=True, resume=calibration.resume, inputs=inputs) as tmp:
-            return run_gptq(plan, tmp, tokenizer, text, origin, calibration.gptq, resume=calibration.resume,
-                            progress=progress.say)
+            return run_calibrated(plan, tmp, tokenizer, text, origin, calibration.gptq, resume=calibration.resume,
+                                  progress=progress.say)
     except BaseException as e:
         if partial_dir(out).exists():
             e.int4q_kept = (f"; the finished layers are kept in {partial_dir(out)}: rerun the same command "

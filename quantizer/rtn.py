@@ -3,6 +3,7 @@ written at a time, so memory stays at about the largest tensor whatever the mode
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable
@@ -10,7 +11,7 @@ from typing import Callable
 import torch
 
 from .memory import release_free_memory
-from .grid import ROW_CHUNK, ErrorStats, GroupQuantized, quantize_groupwise
+from .grid import ROW_CHUNK, ChannelQuantized, ErrorStats, GroupQuantized, quantize_groupwise, quantize_per_channel
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
 from .scheme import ModuleScheme
@@ -20,25 +21,30 @@ ProgressFn = Callable[[str, int], None]
 TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor measured 37% slower on a 6 GB model
 
 
-def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False,
-                 integer_zero: bool = False) -> tuple[GroupQuantized, ErrorStats]:
-    """Round-to-nearest on the scheme's grid, in row chunks written into one result (no
-    concatenated copies); the error statistics against ``weight``."""
+def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, integer_zero: bool = False,
+                 column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
+    """Round-to-nearest on the scheme's grid (4-bit groups or 8-bit channels), in row chunks
+    written into one result (no concatenated copies); the error statistics against ``weight``.
+    ``column_weights`` [K]: 4-bit grids chosen by the weighted search (see grid.quantize_groupwise)."""
     stats = ErrorStats()
-    n, k = weight.shape
     out = None
-    for start in range(0, n, ROW_CHUNK):
+    for start in range(0, weight.shape[0], ROW_CHUNK):
         rows = weight[start:start + ROW_CHUNK]
-        gq = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
-                                integer_zero=integer_zero)
-        stats.add(rows, gq.dequantize())
+        if scheme.bits == 8:
+            part = quantize_per_channel(rows)
+        else:
+            part = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
+                                      integer_zero=integer_zero, column_weights=column_weights)
+        stats.add(rows, part.dequantize())
         if out is None:
-            groups = (n, gq.scale.shape[1])
-            out = GroupQuantized(torch.empty(n, k, dtype=torch.uint8), torch.empty(groups, dtype=gq.scale.dtype),
-                                 torch.empty(groups, dtype=gq.zero.dtype))
-        for mine, part in zip((out.codes, out.scale, out.zero), (gq.codes, gq.scale, gq.zero)):
-            mine[start:start + ROW_CHUNK] = part
+            out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype) for t in _fields(part)))
+        for mine, theirs in zip(_fields(out), _fields(part)):
+            mine[start:start + ROW_CHUNK] = theirs
     return out, stats
+
+
+def _fields(q: GroupQuantized | ChannelQuantized) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(q, f.name) for f in dataclasses.fields(q))
 
 
 def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:

@@ -10,7 +10,6 @@ from .errors import UnsupportedError
 GROUP_SIZES = (32, 64, 128, 256)
 KEPT_BITS = 16
 BITS = (4, 8, KEPT_BITS)
-WRITABLE_BITS = (4, KEPT_BITS)  # 8-bit per-channel modules are a scheme without a writer yet
 
 
 @dataclass(frozen=True)
@@ -55,10 +54,3 @@ class ModuleScheme:
         bits = d.get("bits", default.bits)
         group = d.get("group_size", default.group_size if bits == 4 else None)
         return cls(bits, group, bool(d.get("symmetric", default.symmetric)) if bits != KEPT_BITS else False)
-
-
-def check_writable(module: str, scheme: ModuleScheme) -> None:
-    """UnsupportedError for a scheme that int4q can describe but not yet write or run."""
-    if scheme.bits not in WRITABLE_BITS:
-        raise UnsupportedError(f"{module}: {scheme.bits}-bit modules are not supported by this int4q; "
-                               "use 4 bits or keep the module in bf16")

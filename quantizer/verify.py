@@ -1,5 +1,6 @@
-"""Checks that a cpu_int4 checkpoint is what it claims: structure, round trip against the
-source, and the kernel layout. Each check returns findings; nothing here prints."""
+"""The structural check of a cpu_int4 checkpoint: its config, its tensors' presence, dtypes and
+shapes, its shard index and its head's tying; and the check result every verify check returns.
+Nothing here prints."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from .checkpoint import INDEX_NAME, CheckpointReader, read_config
 from .config import QuantizationConfig
 from .errors import Int4qError
 from .formats import cpu_int4, format_of_config
-from .grid import CLIP_SHRINKS, MID, QMAX, ErrorStats, dequantize_codes
-from .packing import dequantize_int4pack, scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
 from .structure import architecture_mismatches, build_empty_model, inspect_structure, tie_word_embeddings
 
 FORMAT = cpu_int4.FORMAT
@@ -81,8 +78,8 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
     _check_expected_modules(structure, q, tied, info.quantized, set(reader.infos), result)
     shapes = {n: i.shape for n, i in reader.infos.items() if n.rpartition(".")[0] not in set(info.quantized)}
     for module in info.quantized:
-        n, half = reader.infos[f"{module}{marker}"].shape
-        shapes[f"{module}.weight"] = (n, 2 * half)
+        n, cols = reader.infos[f"{module}{marker}"].shape
+        shapes[f"{module}.weight"] = (n, cols if q.scheme_for(module).bits == 8 else 2 * cols)
         if f"{module}.bias" in reader.infos:
             shapes[f"{module}.bias"] = reader.infos[f"{module}.bias"].shape
     for problem in architecture_mismatches(build_empty_model(config), shapes, structure.head if tied else None):
@@ -148,138 +145,3 @@ def _check_index(qdir: Path, reader: CheckpointReader, result: CheckResult) -> N
     for file in Path(qdir).glob("*.safetensors"):
         if file.name not in listed:
             result.fail(f"{file.name}: a shard the index does not list")
-
-
-def _read_module(info: StructureInfo, module: str, result: CheckResult):
-    """((packed, scale, zero), group size) of one module, or None with the problem recorded."""
-    scheme = info.qconfig.scheme_for(module)
-    try:
-        return FORMAT.read_module(info.reader, module, scheme), scheme.group_size
-    except Int4qError as e:
-        result.fail(str(e))
-        return None
-
-
-@dataclass
-class TensorStats:
-    module: str
-    snr_db: float | None
-    max_abs_err: float
-    max_excess: float  # largest error beyond the nearest grid point (0 for round-to-nearest)
-
-
-def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult, list[TensorStats]]:
-    """Copied tensors bit-identical to the source; quantized ones within their grid bound.
-
-    Round-to-nearest must land every element on the nearest point of its group's grid (so the
-    error is at most half a step inside the grid's range). GPTQ chooses codes with error
-    feedback, so for it only the statistics are reported.
-    """
-    result, stats = CheckResult("round trip"), []
-    q, reader = info.qconfig, info.reader
-    source = CheckpointReader(source_dir)
-    src_config = read_config(source_dir)
-    quantized = set(info.quantized)
-    tied_src = tie_word_embeddings(src_config)
-    structure = inspect_structure(src_config)
-    copied = differing = 0
-    for name in sorted(reader.infos):
-        module, _, suffix = name.rpartition(".")
-        if module in quantized:
-            continue
-        if name not in source.infos:
-            result.fail(f"{name}: not in the source checkpoint")
-            continue
-        a, b = reader.get(name), source.get(name)
-        copied += 1
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
-            differing += 1
-            result.fail(f"{name}: differs from the source (copied tensors must be bit-identical)")
-    if copied and differing == copied:
-        dtypes = sorted({str(i.dtype).removeprefix("torch.") for i in source.infos.values()})
-        result.problems.insert(0, f"none of the {copied} copied tensors equals its source in {source_dir} "
-                                  f"(whose weights are {', '.join(dtypes)}): is --model the checkpoint this "
-                                  "was quantized from?")
-    for module in sorted(quantized):
-        src_name = f"{module}.weight"
-        if src_name not in source.infos and tied_src and module == structure.head:
-            src_name = f"{structure.embedding}.weight"  # an untied head made from the tied table
-        if src_name not in source.infos:
-            result.fail(f"{module}: no {src_name} in the source")
-            continue
-        read = _read_module(info, module, result)
-        if read is None:
-            continue
-        (packed, scale, zero), group = read
-        w = source.get(src_name).float()
-        codes = unpack_nibbles(packed)
-        if codes.shape != w.shape or scale.shape[1] * group != w.shape[1]:
-            result.fail(f"{module}: shape {list(codes.shape)} / group {group} does not fit the source "
-                        f"{list(w.shape)}")
-            continue
-        deq = dequantize_codes(codes, scale, zero, torch.float32)
-        err_stats = ErrorStats()
-        err_stats.add(w, deq)
-        excess = _excess_over_nearest(w, deq, scale, zero, group)
-        stats.append(TensorStats(module, err_stats.as_dict()["snr_db"], err_stats.max_abs_err, excess))
-        if q.method == "minmax" and excess > 0:
-            result.fail(f"{module}: an element is {excess:.3g} further from the source than the nearest point of "
-                        "its group's grid (corrupt codes, scales or zeros)")
-        uncovered = _uncovered_range(w, scale, zero, group, CLIP_SHRINKS[-1] if q.clip_search else 1.0)
-        if uncovered > 0:
-            result.fail(f"{module}: a group's grid misses {uncovered:.3g} of the source's range (corrupt scales or "
-                        "zeros)")
-    return result, stats
-
-
-def _excess_over_nearest(w, deq, scale, zero, group) -> float:
-    """max(|w - deq| - distance from w to its group's nearest grid point), with fp32 slack."""
-    n, k = w.shape
-    s = scale.float().repeat_interleave(group, 1)
-    z = zero.float().repeat_interleave(group, 1)
-    lo, hi = z - MID * s, z + (QMAX - MID) * s
-    inside = w.clamp(min=lo, max=hi)
-    nearest = (inside - lo) - torch.round((inside - lo) / torch.where(s == 0, 1, s)) * s
-    distance = nearest.abs() + (w - inside).abs()
-    slack = 1e-5 * (w.abs() + s + z.abs()) + 1e-12
-    return max(((w - deq).abs() - distance - slack).max().item(), 0.0)
-
-
-def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
-    """How far the groups' grids [zero - 8 scale, zero + 7 scale] fall short of covering the
-    source groups' value range (shrunk by ``min_shrink`` about its centre for clip search),
-    beyond bf16 rounding of the parameters."""
-    n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    mid, half = (lo + hi) / 2, (hi - lo) / 2 * min_shrink
-    s, z = scale.float(), zero.float()
-    slack = 2.0**-7 * (z.abs() + 8 * s + lo.abs() + hi.abs()) + 1e-12
-    short = torch.maximum((z - MID * s) - (mid - half), (mid + half) - (z + (QMAX - MID) * s)) - slack
-    return max(short.max().item(), 0.0)
-
-
-def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
-    """Per quantized linear: tinygemm pack + direct dequantization equals the row-major one
-    bit for bit, and the tinygemm GEMV agrees with the dequantized reference on random inputs."""
-    result = CheckResult("kernel layout")
-    q, reader = info.qconfig, info.reader
-    gen = torch.Generator().manual_seed(seed)
-    for module in info.quantized:
-        read = _read_module(info, module, result)
-        if read is None:
-            continue
-        (packed, scale, zero), group = read
-        n, half = packed.shape
-        if n % 16:
-            continue  # an embedding table alone never goes through the kernel
-        int4pack, sz = to_int4pack(packed), scales_and_zeros(scale, zero)
-        reference = dequantize_codes(unpack_nibbles(packed), scale, zero)
-        if supports_direct_dequant(n) and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
-            result.fail(f"{module}: direct dequantization from the kernel layout differs from row-major")
-        x = torch.randn(1, 2 * half, generator=gen).to(torch.bfloat16)
-        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group, sz).float()
-        want = x.float() @ reference.float().t()
-        if (got - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
-            result.fail(f"{module}: tinygemm GEMV disagrees with the dequantized reference")
-    return result

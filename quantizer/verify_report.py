@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .verify import CheckResult, check_kernel_layout, check_round_trip, check_structure
+from .verify import CheckResult, check_structure
+from .verify_tensors import check_kernel_layout, check_round_trip
 
 
 def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max_windows: int,

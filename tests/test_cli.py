@@ -46,7 +46,7 @@ def test_missing_config_is_one_line(tmp_path):
 
 
 def test_group_size_error_writes_nothing(tiny_model, tmp_path):
-    result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--group-size", "256")
+    result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--group-size", "256", "--strict-group-size")
     assert_one_line_error(result, "group size 256 does not divide")
     assert list(tmp_path.iterdir()) == []
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from quantizer.checkpoint import TensorInfo
 from quantizer.errors import UnsupportedError
 from quantizer.formats import NAMES, format_of_config, get_format
-from quantizer.grid import quantize_groupwise
+from quantizer.grid import quantize_groupwise, quantize_per_channel
 from quantizer.scheme import ModuleScheme
 
 
@@ -56,8 +56,11 @@ def test_formats_are_found_by_name_and_by_config():
         get_format("exl2")
 
 
-def test_a_cpu_int4_module_with_a_scheme_it_cannot_hold_is_named():
-    fmt = get_format("cpu_int4")
-    tensors = fmt.tensors("m", quantize_groupwise(torch.randn(16, 64), 32))
-    assert fmt.module_problems("m", infos_of(tensors), ModuleScheme(8)) == [
-        "m: quantization_config gives it 8 bits; cpu_int4 tensors hold 4"]
+def test_an_8_bit_module_is_written_by_cpu_int4_and_refused_by_the_gptq_export():
+    cpu, gptq = get_format("cpu_int4"), get_format("gptq")
+    q = quantize_per_channel(torch.randn(16, 40))
+    tensors = cpu.tensors("m", q)
+    assert [(t.dtype, tuple(t.shape)) for t in tensors.values()] == [(torch.int8, (16, 40)), (torch.bfloat16, (16, 1))]
+    assert cpu.module_problems("m", infos_of(tensors), ModuleScheme(8)) == []
+    assert cpu.module_problems("m", infos_of(tensors), ModuleScheme(4, 32)) == ["m.weight_zero: missing"]
+    assert gptq.module_problems("m", {}, ModuleScheme(8)) == ["m: the GPTQ export holds 4-bit modules only, not 8-bit"]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.grid import ErrorStats, quantize_groupwise
+from quantizer.grid import ErrorStats, quantize_groupwise, round_to_grid
 
 BF16_EPS = 2.0**-8
 
@@ -112,3 +112,40 @@ def test_error_stats_snr_and_max_error():
     exact = ErrorStats()
     exact.add(ref, ref)
     assert exact.as_dict()["snr_db"] is None
+
+
+def weighted_error(w, gq, weights):
+    return ((gq.dequantize() - w.float()).pow(2) * weights).sum().item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([32, 64]), sym=st.booleans(), integer=st.booleans())
+def test_the_weighted_search_is_never_worse_than_min_max_on_its_own_objective(seed, group, sym, integer):
+    w = random_weight(16, 128, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = torch.rand(128, generator=gen).pow(4) * 10  # a few columns matter much more
+    plain = quantize_groupwise(w, group, symmetric=sym, integer_zero=integer)
+    searched = quantize_groupwise(w, group, symmetric=sym, integer_zero=integer, column_weights=weights)
+    assert weighted_error(w, searched, weights) <= weighted_error(w, plain, weights) * (1 + 1e-6)
+    g = w.float().reshape(16, 128 // group, group)  # codes are the nearest points of the stored grid
+    assert torch.equal(searched.codes.reshape(g.shape), round_to_grid(g, searched.scale, searched.zero))
+
+
+def test_the_weighted_search_gains_where_columns_differ():
+    w = random_weight(64, 256, 7)
+    weights = torch.ones(256)
+    weights[::16] = 100.0
+    plain = quantize_groupwise(w, 64)
+    searched = quantize_groupwise(w, 64, column_weights=weights)
+    assert weighted_error(w, searched, weights) < 0.9 * weighted_error(w, plain, weights)
+
+
+def test_8_bit_channels_round_to_nearest_on_a_covering_grid():
+    from quantizer.grid import quantize_per_channel
+
+    w = random_weight(32, 96, 3).float()
+    q = quantize_per_channel(w)
+    s = q.scale.float()
+    assert q.codes.dtype == torch.int8 and q.scale.shape == (32, 1)
+    assert ((q.dequantize() - w).abs() <= s / 2 + 1e-6 * w.abs() + 1e-9).all()
+    assert (w.abs().amax(1, keepdim=True) <= 127 * s * (1 + 2**-7)).all()

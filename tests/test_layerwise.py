@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 import quantizer.capture as capture
 from quantizer.calib_state import STATE_DIR
-from quantizer.gptq_method import GptqOptions, run_gptq
+from quantizer.calibrated import run_calibrated
+from quantizer.gptq_method import GptqOptions
 from quantizer.calibration import calibration_windows
 from quantizer.checkpoint import CheckpointReader
 from quantizer.cli import main
@@ -30,7 +31,7 @@ STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_at
 def streamed(src, out, tokenizer, resume=False, options=OPTIONS, group=64):
     out.mkdir(exist_ok=True)
     plan = plan_quantization(src, QuantizeOptions(group_size=group, untie_head=True, method="gptq"))
-    return run_gptq(plan, out, tokenizer, builtin_text("calib"), "calib", options, resume=resume)
+    return run_calibrated(plan, out, tokenizer, builtin_text("calib"), "calib", options, resume=resume)
 
 
 def whole_model_hessians(src, windows, quantized: CheckpointReader):
@@ -118,9 +119,10 @@ def assert_same_outputs(a_dir, b_dir):
     assert names == sorted(p.name for p in b_dir.iterdir())
     for name in names:
         a, b = (a_dir / name).read_bytes(), (b_dir / name).read_bytes()
-        if name == "quantization_report.json":  # wall time differs; every number else must not
+        if name == "quantization_report.json":  # wall time and peak memory differ; every number else must not
             a, b = json.loads(a), json.loads(b)
-            a["summary"].pop("seconds"), b["summary"].pop("seconds")
+            for r in (a, b):
+                r["summary"].pop("seconds"), r["summary"].pop("peak_rss_mb")
         assert a == b, name
 
 
@@ -201,3 +203,34 @@ def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
     snr = 10 * torch.log10(source.get(f"{m}.weight").float().pow(2).sum() / (w - source.get(f"{m}.weight").float()).pow(2).sum())
     assert snr > 10
     assert "cpu_int4 checkpoints, not quant_method 'gptq'" in CliRunner().invoke(main, ["bench", str(out)]).stderr
+
+
+def test_weighted_round_to_nearest_keeps_the_head_tied_and_verifies(tiny_model_tok, tmp_path):
+    out = tmp_path / "w"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
+                                       "weighted", "--recipe", "mixed", "--nsamples", "4", "--seqlen", "64",
+                                       "--no-progress"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["quantization_config"]["method"] == "weighted"
+    report = json.loads((out / "quantization_report.json").read_text())
+    assert report["tensors"]["model.embed_tokens"]["method"] == "minmax"  # the 8-bit table: per channel
+    assert report["tensors"]["model.layers.0.mlp.up_proj"]["method"] == "weighted"
+    verified = CliRunner().invoke(main, ["verify", str(out), "--reference", str(tiny_model_tok), "--greedy-tokens",
+                                         "4", "--ctx", "64", "--max-windows", "2"])
+    assert verified.exit_code == 0, verified.output
+    generated = CliRunner().invoke(main, ["generate", str(out), "--prompt", "def f(x):", "--max-new-tokens", "4",
+                                          "--no-compile"])
+    assert generated.exit_code == 0, generated.output
+
+
+def test_weighted_grids_change_gptq_only_where_asked(tiny_model_tok, byte_tokenizer, tmp_path):
+    plain = streamed(tiny_model_tok, tmp_path / "plain", byte_tokenizer)
+    weighted = streamed(tiny_model_tok, tmp_path / "wg", byte_tokenizer,
+                        options=GptqOptions(nsamples=4, seqlen=64, seed=0, weighted_grids=True))
+    m = "model.layers.0.mlp.down_proj"
+    assert weighted["quantization_config"]["calibration"]["weighted_grids"] is True
+    assert "weighted_grids" not in plain["quantization_config"]["calibration"]
+    a, b = CheckpointReader(tmp_path / "plain"), CheckpointReader(tmp_path / "wg")
+    assert not torch.equal(a.get(f"{m}.weight_scale"), b.get(f"{m}.weight_scale"))
+    assert weighted["tensors"][m]["gptq_loss"] < 1.5 * plain["tensors"][m]["gptq_loss"]

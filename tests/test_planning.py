@@ -47,11 +47,17 @@ def test_ignore_leaves_modules_unquantized(tiny_model):
     assert "model.layers.1.self_attn.q_proj" in plan.targets
 
 
-def test_group_size_that_does_not_divide_fails_naming_tensors_and_working_sizes(tmp_path):
+def test_a_group_that_does_not_divide_falls_back_per_tensor_or_fails_when_strict(tmp_path):
     d = save_tiny_llama(tmp_path / "m", shard=None, hidden_size=192, intermediate_size=384, num_attention_heads=4)
     with pytest.raises(InputError, match=r"group size 128 does not divide .*K=192.*sizes that work: 32, 64"):
-        plan_quantization(d, QuantizeOptions(group_size=128))
+        plan_quantization(d, QuantizeOptions(group_size=128, strict_group_size=True))
     assert plan_quantization(d, QuantizeOptions()).qconfig.group_size == 64
+    fallen = plan_quantization(d, QuantizeOptions(group_size=128))
+    assert fallen.qconfig.group_size == 128
+    assert fallen.qconfig.scheme_for("model.layers.0.self_attn.q_proj").group_size == 64
+    assert fallen.qconfig.scheme_for("model.layers.0.mlp.down_proj").group_size == 128  # K=384
+    assert fallen.fallbacks["model.layers.0.self_attn.q_proj"] == \
+        "model.layers.0.self_attn.q_proj: group 64 (K=192 is not a multiple of 128)"
 
 
 def test_output_dim_not_multiple_of_16_fails_before_writing(tmp_path):
@@ -99,3 +105,33 @@ def test_the_plan_specs_are_what_the_format_writes(tiny_model):
     assert specs["lm_head.weight_scale"].shape == (512, 4) and "lm_head.weight" not in specs
     assert plan.modules_from("model.embed_tokens.weight") == ["model.embed_tokens", "lm_head"]
     assert plan.disk_bytes_needed() == sum(s.nbytes for s in specs.values())
+
+
+def test_an_all_4_bit_plan_writes_exactly_todays_config(tiny_model):
+    qc = plan_quantization(tiny_model, QuantizeOptions(group_size=64)).qconfig.to_dict()
+    assert sorted(qc) == sorted(["group_size", "ignore", "quantize_embedding", "prefill_dequant", "direct_dequant",
+                                 "dequant_threshold", "use_custom_op", "method", "symmetric", "clip_search",
+                                 "calibration", "bits", "quant_method", "format_version"])
+
+
+def test_table_and_head_bits_decide_tying(tiny_model, tmp_path):
+    from quantizer.recipes import Override
+
+    tied8 = plan_quantization(tiny_model, QuantizeOptions(embedding_bits=8))
+    assert tied8.tied_output and tied8.qconfig.scheme_for("model.embed_tokens").bits == 8 and tied8.notes == ()
+    split = plan_quantization(tiny_model, QuantizeOptions(head_bits=8))
+    assert not split.tied_output and split.qconfig.scheme_for("lm_head").bits == 8
+    assert split.qconfig.scheme_for("model.embed_tokens").bits == 4 and "lm_head has 8 bits" in split.notes[0]
+    with pytest.raises(InputError, match="stay in bf16 only with the table"):
+        plan_quantization(tiny_model, QuantizeOptions(head_bits=16))
+    kept = plan_quantization(tiny_model, QuantizeOptions(embedding_bits=16, head_bits=16))
+    assert kept.tied_output and "model.embed_tokens" not in kept.targets and not kept.qconfig.quantize_embedding
+    untied = save_tiny_llama(tmp_path / "untied", tie=False)
+    plan = plan_quantization(untied, QuantizeOptions(head_bits=16, overrides=(Override("down_proj", 8),
+                                                                              Override("up_proj", 16))))
+    assert "lm_head" not in plan.targets and "lm_head" in plan.qconfig.ignore
+    assert plan.qconfig.scheme_for("model.layers.0.mlp.down_proj").bits == 8
+    assert plan.qconfig.scheme_for("model.layers.0.mlp.up_proj").kept
+    assert "model.layers.0.mlp.up_proj" not in plan.targets
+    with pytest.raises(InputError, match="stores 4-bit modules only"):
+        plan_quantization(untied, QuantizeOptions(checkpoint_format="gptq", recipe="table8"))

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from quantizer.errors import UnsupportedError
-from quantizer.scheme import GROUP_SIZES, KEPT_BITS, ModuleScheme, check_writable
+from quantizer.scheme import GROUP_SIZES, KEPT_BITS, ModuleScheme
 
 DEFAULT = ModuleScheme(4, 64, False)
 schemes = st.one_of(
@@ -40,10 +40,3 @@ def test_impossible_schemes_are_refused(args, message):
 def test_an_entry_with_unknown_keys_is_refused():
     with pytest.raises(UnsupportedError, match="bits, group_size and symmetric only"):
         ModuleScheme.from_dict({"bits": 4, "clip": True}, DEFAULT)
-
-
-def test_only_writable_schemes_pass_the_writer_check():
-    check_writable("m", DEFAULT)
-    check_writable("m", ModuleScheme(KEPT_BITS))
-    with pytest.raises(UnsupportedError, match="m: 8-bit modules are not supported"):
-        check_writable("m", ModuleScheme(8))

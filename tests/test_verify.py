@@ -78,7 +78,7 @@ def test_a_different_source_is_named_as_the_likely_cause(good, tmp_path):
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert lines[1] == "[FAILED] round trip"  # and its first problem names the likely cause
-    assert "is --model the checkpoint this was quantized from?" in lines[2] and "float16" in lines[2]
+    assert "is --reference the checkpoint this was quantized from?" in lines[2] and "float16" in lines[2]
 
 
 def flip_packed_byte(t, _):
@@ -150,3 +150,51 @@ def test_smollm2_g64_passes_end_to_end_and_the_kld_gate_bites(smollm2_g64, smoll
     gated = verify(smollm2_g64, smollm2_bf16, "--ctx", "128", "--max-windows", "2", "--greedy-tokens", "0",
                    "--max-kld", "0.001")
     assert gated.exit_code == 1 and "exceeds --max-kld 0.001" in gated.stdout
+
+
+TABLE = "model.embed_tokens"
+
+
+@pytest.fixture(scope="module")
+def good_mixed(tiny_model, tmp_path_factory):
+    """The tiny model with the mixed recipe: an 8-bit tied table, 8-bit v_proj/down_proj in some layers."""
+    from conftest import quantize_to
+
+    folder = quantize_to(tiny_model, tmp_path_factory.mktemp("mixed") / "q", group_size=64, recipe="mixed")
+    save_byte_tokenizer(folder)
+    return folder
+
+
+def flip_int8_byte(t, _):
+    t[f"{TABLE}.weight_packed"][5, 9] ^= 0x55
+
+
+def halve_int8_scale(t, _):
+    t[f"{TABLE}.weight_scale"][7] /= 2
+
+
+def claim_4_bits(t, bad):
+    config = json.loads((bad / "config.json").read_text())
+    del config["quantization_config"]["modules"][TABLE]
+    (bad / "config.json").write_text(json.dumps(config))
+
+
+def test_a_mixed_checkpoint_passes(good_mixed, tiny_model):
+    qc = json.loads((good_mixed / "config.json").read_text())["quantization_config"]
+    assert qc["modules"][TABLE] == {"bits": 8, "symmetric": True}
+    assert qc["modules"]["model.layers.1.mlp.down_proj"] == {"bits": 8, "symmetric": True}
+    assert "model.layers.0.mlp.down_proj" not in qc["modules"]  # llama.cpp's layer choice: the last eighth
+    result = verify(good_mixed, tiny_model, "--ctx", "64", "--max-windows", "2", "--greedy-tokens", "4")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("edit,message", [
+    (flip_int8_byte, f"{TABLE}: an element is"),
+    (halve_int8_scale, f"{TABLE}: an element is"),
+    (claim_4_bits, f"{TABLE}.weight_zero: missing"),
+])
+def test_each_8_bit_corruption_fails_naming_the_tensor(good_mixed, tiny_model, tmp_path, edit, message):
+    bad = corrupt(good_mixed, tmp_path, edit)
+    result = verify(bad, tiny_model)
+    assert result.exit_code == 1, result.output
+    assert message in result.stdout and result.stdout.strip().endswith("FAIL")

@@ -16,7 +16,7 @@ from ..errors import UnsupportedError
 if TYPE_CHECKING:
     import torch
 
-    from ..grid import GroupQuantized
+    from ..grid import ChannelQuantized, GroupQuantized
     from ..scheme import ModuleScheme
     from ..shards import TensorSpec
 
@@ -34,11 +34,12 @@ class CheckpointFormat(Protocol):
     description: str  # one line for the model card
     read_by: str  # the runtimes that load it
     marker: str  # the suffix of the tensor that marks a module as quantized
+    bits: tuple[int, ...]  # the module precisions it can store (16, kept, is always possible)
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         """The tensors (names, dtypes, shapes) that ``tensors`` returns for a [N, K] weight."""
 
-    def tensors(self, module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
+    def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight, by full name."""
 
     def quantization_config(self, qconfig) -> dict:

@@ -80,6 +80,7 @@ class GptqV1Format:
     name = quant_method = "gptq"
     title, description = "GPTQ", "GPTQ v1 (qweight/qzeros/scales/g_idx)"
     integer_zero, quantizes_embedding, marker = True, False, "qweight"
+    bits = (4,)
     read_by = "vLLM and GPTQ loaders"
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
@@ -97,6 +98,8 @@ class GptqV1Format:
         return gptq_quantization_config(qconfig.group_size, qconfig.symmetric)
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
+        if scheme.bits not in self.bits:
+            return [f"{module}: the {self.title} export holds 4-bit modules only, not {scheme.bits}-bit"]
         missing = [f"{module}.{s}" for s in SUFFIXES if f"{module}.{s}" not in infos]
         if missing:
             return [f"{missing[0]}: missing"]

@@ -16,6 +16,7 @@ from ..formats import cpu_int4, format_of_config
 from ..memory import release_free_memory
 from ..structure import build_empty_model, tie_word_embeddings
 from .fusion import fuse_projections
+from .int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
 from .modules import Int4Linear, quantize_embedding_module, set_module, tied_head
 
 log = logging.getLogger(__name__)
@@ -57,30 +58,13 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     emb_name = next(n for n, m in modules.items() if m is emb)
     tied = tie_word_embeddings(config) and head is not None
     quantized = _quantized_modules(reader)
-    if quantized and qc is None:
-        raise InputError(f"{path}: has packed weights but no quantization_config")
-    if qc:
-        linear_kwargs = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant,
-                             direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op)
     for name in quantized:
-        module = modules.get(name)
-        group_size = qc.scheme_for(name).group_size
-        tensors = FORMAT.read_module(reader, name, qc.scheme_for(name))
-        if module is emb:
-            if not qc.quantize_embedding:
-                raise InputError(f"{name} is quantized but quantization_config.quantize_embedding is false")
-            quantize_embedding_module(emb, *tensors, group_size, with_kernel_layout=tied)
-        elif type(module) is torch.nn.Linear:
-            bias = reader.get(f"{name}.bias") if f"{name}.bias" in reader.infos else None
-            if (module.out_features, module.in_features) != (tensors[0].shape[0], tensors[0].shape[1] * 2):
-                raise InputError(f"{name}: packed shape {list(tensors[0].shape)} does not fit "
-                                 f"[{module.out_features}, {module.in_features}]")
-            set_module(model, name, Int4Linear.from_row_major(*tensors, group_size, bias=bias, **linear_kwargs))
-        else:
-            raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
-    head_name = next((n for n, m in modules.items() if m is head), None)
+        _install(model, name, modules.get(name), emb, reader, qc, tied)
     if tied and emb_name in quantized:
-        set_module(model, head_name, tied_head(emb, **linear_kwargs))
+        head_name = next(n for n, m in modules.items() if m is head)
+        bits = 8 if isinstance(emb, Int8Lookup) else 4
+        share = int8_tied_head if bits == 8 else tied_head
+        set_module(model, head_name, share(emb, **_kernel_options(qc, bits)))
     quantized_set = set(quantized)
     for name, info in reader.infos.items():
         module_name, _, attr = name.rpartition(".")
@@ -96,6 +80,41 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
         fuse_projections(model)
     release_free_memory()
     return model
+
+
+def _kernel_options(qc: QuantizationConfig, bits: int) -> dict:
+    options = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant)
+    if bits == 4:
+        options.update(direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op)
+    return options
+
+
+def _install(model, name: str, module, emb, reader: CheckpointReader, qc: QuantizationConfig, tied: bool) -> None:
+    """Put the quantized module ``name`` in place of the model's linear or embedding."""
+    if qc is None:
+        raise InputError(f"{name} has packed weights but config.json has no quantization_config")
+    scheme = qc.scheme_for(name)
+    tensors = FORMAT.read_module(reader, name, scheme)
+    if module is emb:
+        if not qc.quantize_embedding:
+            raise InputError(f"{name} is quantized but quantization_config.quantize_embedding is false")
+        if scheme.bits == 8:
+            int8_embedding_module(emb, *tensors)
+        else:
+            quantize_embedding_module(emb, *tensors, scheme.group_size, with_kernel_layout=tied)
+        return
+    if type(module) is not torch.nn.Linear:
+        raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
+    bias = reader.get(f"{name}.bias") if f"{name}.bias" in reader.infos else None
+    k = tensors[0].shape[1] * (1 if scheme.bits == 8 else 2)
+    if (module.out_features, module.in_features) != (tensors[0].shape[0], k):
+        raise InputError(f"{name}: quantized shape [{tensors[0].shape[0]}, {k}] does not fit "
+                         f"[{module.out_features}, {module.in_features}]")
+    options = _kernel_options(qc, scheme.bits)
+    if scheme.bits == 8:
+        set_module(model, name, Int8Linear(*tensors, bias=bias, **options))
+    else:
+        set_module(model, name, Int4Linear.from_row_major(*tensors, scheme.group_size, bias=bias, **options))
 
 
 def import_architecture(path: Path) -> None:

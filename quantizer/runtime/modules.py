@@ -110,6 +110,11 @@ class Int4Linear(torch.nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    @property
+    def table_key(self) -> torch.Tensor:
+        """The buffer a tied table shares with this head."""
+        return self.int4pack
+
     def dequantized_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] this layer computes with (for verification)."""
         return _dequantized_weight(self)
@@ -155,9 +160,17 @@ class Int4Lookup(torch.nn.Embedding):
         rows = dequantize_codes(codes, scale, zero)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
+    @property
+    def table_key(self) -> torch.Tensor | None:
+        return self.int4pack
+
     def dequantized_weight(self) -> torch.Tensor:
         """The bf16 table [N, K]."""
         return _dequantized_weight(self)
+
+    def drop_quantized(self) -> None:
+        for buf in ("int4pack", "sz", "packed", "scale", "zero"):
+            delattr(self, buf)
 
 
 def _dequantized_weight(module) -> torch.Tensor:
@@ -199,30 +212,31 @@ def quantize_embedding_module(module: torch.nn.Embedding, packed, scale, zero, g
         if n % TINYGEMM_N_BLOCK == 0 and _layout_usable(n):
             row_major = None
     module._int4_setup(int4pack, sz, row_major, group_size)
-    module._int4_original_class = original_class
+    module._quant_original_class = original_class
     return module
 
 
 def dequantize_modules(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every int4 module of ``model`` in place by its bf16 equivalent (nn.Linear with the
-    dequantized weight, the original embedding class with the dequantized table). A head tied to
-    the table stays tied. The result computes the same function through ordinary kernels."""
+    """Replace every int4 and int8 module of ``model`` in place by its bf16 equivalent (nn.Linear
+    with the dequantized weight, the original embedding class with the dequantized table). A head
+    tied to the table stays tied. The result computes the same function through ordinary kernels."""
+    from .int8 import Int8Linear, Int8Lookup
+
     _unfuse(model)
     tables: dict[int, torch.nn.Parameter] = {}
     for module in list(model.modules()):
-        if isinstance(module, Int4Lookup):
+        if isinstance(module, (Int4Lookup, Int8Lookup)):
             weight = torch.nn.Parameter(module.dequantized_weight(), requires_grad=False)
-            if module.int4pack is not None:
-                tables[id(module.int4pack)] = weight
-            for buf in ("int4pack", "sz", "packed", "scale", "zero"):
-                delattr(module, buf)
-            module.__class__ = module._int4_original_class
+            if module.table_key is not None:
+                tables[id(module.table_key)] = weight
+            module.drop_quantized()
+            module.__class__ = module._quant_original_class
             module.weight = weight
     for name, module in list(model.named_modules()):
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int4Linear, Int8Linear)):
             linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                      device="meta")
-            weight = tables.get(id(module.int4pack))
+            weight = tables.get(id(module.table_key))
             if weight is None:
                 weight = torch.nn.Parameter(module.dequantized_weight(), requires_grad=False)
             linear.weight = weight
