@@ -136,8 +136,8 @@ def _bits(value: str | None) -> int | None:
               help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
 @click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="[gptq] Dampening, as a fraction of the mean Hessian diagonal.")
-@click.option("--weighted-grids", is_flag=True,
-              help="[gptq] Choose each group's grid by the search weighted by diag(H) before the solve.")
+@click.option("--weighted-grids/--minmax-grids", default=True, show_default=True,
+              help="[gptq] Each group's grid by the search weighted by diag(H) before the solve, or its min/max.")
 @click.option("--seed", default=0, show_default=True, type=int, help="[gptq, weighted] Seed for the calibration windows.")
 @click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
 @click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,

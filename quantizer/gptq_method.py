@@ -21,7 +21,7 @@ class GptqOptions:
     damp: float = 0.01
     block_size: int = 128
     seed: int = 0
-    weighted_grids: bool = False  # GPTQ: each static group's grid by the diag(H)-weighted search
+    weighted_grids: bool = True  # GPTQ: each static group's grid by the diag(H)-weighted search
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class GptqMethod:
     def settings(self) -> dict:
         """What the run's calibration record adds for this method."""
         o = self.options
-        return {"act_order": o.act_order, "damp": o.damp, **({"weighted_grids": True} if o.weighted_grids else {})}
+        return {"act_order": o.act_order, "damp": o.damp, "weighted_grids": o.weighted_grids}
 
     def quantize(self, weight: torch.Tensor, stats: HessianAccumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
         """GPTQ one weight; the entry compares it with round-to-nearest on the same objective. An

@@ -5,7 +5,7 @@ and (with --bench) its decode speed measured; one table, and every number in a J
     .venv/bin/python scripts/quality_per_bit.py [--methods minmax weighted gptq gptq-wg] [--recipes all4 table8 mixed]
         [--groups 64 128] [--nsamples 128] [--seqlen 256] [--windows 16] [--bench] [--out models/qpb]
 
-gptq-wg is GPTQ with --weighted-grids. Calibrated methods read the other half of pydoc_data.topics, so no evaluation text is seen in
+gptq is GPTQ on min/max group grids (--minmax-grids), gptq-wg on weighted ones (the default). Calibrated methods read the other half of pydoc_data.topics, so no evaluation text is seen in
 calibration. Group 128 falls back to 64 on the tensors 128 does not divide (576 columns here).
 """
 
@@ -33,7 +33,9 @@ def measure(args, method: str, recipe: str, group: int) -> dict:
     out = Path(args.out) / name
     base = method.removesuffix("-wg")  # gptq-wg: GPTQ with weighted grids
     cmd = ["quantize", "--model", args.source, "--out", str(out), "--group-size", str(group), "--method", base,
-           "--recipe", recipe, "--overwrite", "--no-progress"] + (["--weighted-grids"] if method.endswith("-wg") else [])
+           "--recipe", recipe, "--overwrite", "--no-progress"]
+    if base == "gptq":
+        cmd.append("--weighted-grids" if method.endswith("-wg") else "--minmax-grids")
     if base != "minmax":
         cmd += ["--nsamples", str(args.nsamples if base == "gptq" else args.weighted_nsamples),
                 "--seqlen", str(args.seqlen)]
