@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .config import CALIBRATED_METHODS, METHODS
+from .config import CALIBRATED_METHODS, DEFAULT_NSAMPLES, METHODS
 from .errors import Int4qError
 from .formats import NAMES as FORMAT_NAMES
 from .formats import RUNTIME_FORMAT
@@ -83,9 +83,6 @@ def main(verbose: bool) -> None:
 
 def _group_size(value: str) -> int | None:
     return None if value == "auto" else int(value)
-
-
-DEFAULT_NSAMPLES = {"gptq": 128, "weighted": 16}
 
 
 def _bits(value: str | None) -> int | None:

@@ -14,6 +14,7 @@ QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
 METHODS = ("minmax", "gptq", "weighted")
 CALIBRATED_METHODS = ("gptq", "weighted")
+DEFAULT_NSAMPLES = {"gptq": 128, "weighted": 16}  # calibration windows when the user gives none
 UNTIED_HEAD_METHODS = ("gptq",)  # each quantizes the head by itself on its inputs, so a tied head is untied
 
 

@@ -158,8 +158,9 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     for shrink in WEIGHTED_SHRINKS:
         c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, integer_zero)
         c_codes = round_to_grid(g, c_scale, c_zero)
-        for c_scale, c_zero in ((c_scale, c_zero), _least_squares_grid(g, c_codes, weights, symmetric, integer_zero)):
-            err = _group_sq_error(g, round_to_grid(g, c_scale, c_zero), c_scale, c_zero, weights)
+        refit = _least_squares_grid(g, c_codes, weights, symmetric, integer_zero)
+        for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit))):
+            err = _group_sq_error(g, c_codes, c_scale, c_zero, weights)
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)

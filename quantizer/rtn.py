@@ -49,8 +49,8 @@ def _fields(q: GroupQuantized | ChannelQuantized) -> tuple[torch.Tensor, ...]:
 
 def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     """One module by round-to-nearest: its checkpoint tensors in the plan's format and its report entry."""
-    gq, stats = quantize_rtn(weight, plan.scheme_of(module), plan.qconfig.clip_search, plan.format.integer_zero)
-    tensors = plan.format.tensors(module, gq)
+    q, stats = quantize_rtn(weight, plan.scheme_of(module), plan.qconfig.clip_search, plan.format.integer_zero)
+    tensors = plan.format.tensors(module, q)
     return tensors, module_entry(plan.targets[module], weight.shape, tensors, stats.as_dict())
 
 

@@ -54,7 +54,7 @@ class CpuInt4Format:
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
         if scheme.bits not in self.bits:
             return [f"{module}: quantization_config gives it {scheme.bits} bits; {self.name} tensors hold 4 or 8"]
-        names = [f"{module}.{s}" for s in SUFFIXES[:2 if scheme.bits == 8 else 3]]
+        names = [f"{module}.{s}" for s in _suffixes(scheme)]
         missing = [n for n in names if n not in infos]
         if missing:
             return [f"{missing[0]}: missing"]
@@ -76,7 +76,12 @@ class CpuInt4Format:
         problems = self.module_problems(module, reader.infos, scheme)
         if problems:
             raise InputError(problems[0])
-        return tuple(reader.get(f"{module}.{s}") for s in SUFFIXES[:2 if scheme.bits == 8 else 3])
+        return tuple(reader.get(f"{module}.{s}") for s in _suffixes(scheme))
+
+
+def _suffixes(scheme: ModuleScheme) -> tuple[str, ...]:
+    """An 8-bit module has no zero."""
+    return SUFFIXES[:2] if scheme.bits == 8 else SUFFIXES
 
 
 def _mismatch(info, spec: TensorSpec, scheme: ModuleScheme) -> str:

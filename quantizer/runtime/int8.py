@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..grid import ChannelQuantized
+
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 [N, K] from codes [N, K] and scale [N], computed in fp32 (as grid.ChannelQuantized)."""
-    return (codes.to(torch.float32) * scale.to(torch.float32).unsqueeze(1)).to(torch.bfloat16)
+    """bf16 [N, K] from codes [N, K] and scale [N]."""
+    return ChannelQuantized(codes, scale.unsqueeze(1)).dequantize(torch.bfloat16)
 
 
 class Int8Linear(torch.nn.Module):
