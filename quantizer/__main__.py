@@ -1,3 +1,3 @@
-from .cli import main
+from quantizer.cli import main  # absolute: torchrun -m runs this file outside its package
 
 main(prog_name="int4q")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed import SINGLE, Ranks
 from .errors import InputError
 from .shards import write_safetensors
 
@@ -34,10 +35,12 @@ def fingerprint(*parts, files: list[Path] = (), tensors: tuple[torch.Tensor, ...
     return h.hexdigest()
 
 
-def hidden_file(state_dir: Path, layers_done: int) -> Path:
-    """The hidden states after the first ``layers_done`` layers: named by that count, so a state
-    can only ever be paired with the activations it was saved with."""
-    return state_dir / f"hidden-{layers_done:05d}.safetensors"
+def hidden_file(state_dir: Path, layers_done: int, ranks: Ranks = SINGLE) -> Path:
+    """This rank's hidden states after the first ``layers_done`` layers: named by that count (and
+    in a distributed run by the rank and world size), so a state can only ever be paired with the
+    activations it was saved with."""
+    suffix = f"-rank{ranks.rank}of{ranks.world_size}" if ranks.distributed else ""
+    return state_dir / f"hidden-{layers_done:05d}{suffix}.safetensors"
 
 
 def layer_file(state_dir: Path, index: int) -> Path:
@@ -50,8 +53,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load_state(state_dir: Path, fp: str, resume: bool) -> dict:
-    """The saved progress of an earlier run with the same fingerprint (with ``resume``), else a fresh start."""
+def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) -> dict:
+    """The saved progress of an earlier run with the same fingerprint (with ``resume``), else a
+    fresh start. Rank 0 only; each rank then reads its own hidden states with :func:`load_hidden`."""
     fresh = {"layers_done": 0, "tensors": {}}
     path = state_dir / "state.json"
     if not resume or not path.is_file():
@@ -68,25 +72,45 @@ def load_state(state_dir: Path, fp: str, resume: bool) -> dict:
         raise InputError(f"{path} is corrupt; {restart}") from None
     if state.get("fingerprint") != fp:
         raise InputError(f"the interrupted run was made with different inputs or settings; {restart}")
-    needed = [layer_file(state_dir, i) for i in range(done)] + ([hidden_file(state_dir, done)] if done else [])
+    needed = [layer_file(state_dir, i) for i in range(done)] + ([hidden_file(state_dir, done, ranks)] if done else [])
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
         raise InputError(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
     return state
 
 
-def save_state(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_tuple: bool,
-               layer_tensors: dict[str, torch.Tensor], hidden: torch.Tensor) -> None:
-    """Persist one finished layer: its tensors and the hidden states after it (each under a name
-    of its own), then the state that says it is done, each written to a temporary name and
-    renamed; only then the previous layer's hidden states go."""
-    for path, tensors in ((layer_file(state_dir, layers_done - 1), layer_tensors),
-                          (hidden_file(state_dir, layers_done), {"hidden": hidden})):
-        tmp = path.with_name(path.name + ".tmp")
-        write_safetensors(tmp, tensors)
-        tmp.replace(path)
-    tmp = state_dir / "state.json.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fp, "layers_done": layers_done, "tensors": per_tensor,
-                               "as_tuple": as_tuple}))
-    tmp.replace(state_dir / "state.json")
-    hidden_file(state_dir, layers_done - 1).unlink(missing_ok=True)
+def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's saved hidden states; every rank raises the same error when any rank lacks its own."""
+    path = hidden_file(state_dir, layers_done, ranks)
+    missing = ranks.sum_(torch.tensor([0.0 if path.is_file() else 1.0]))
+    if missing.item():
+        raise InputError(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
+                         f"their hidden states after layer {layers_done}); resume with the same processes on the "
+                         "same machines, or rerun without --resume to start over")
+    return read_safetensors(path)["hidden"]
+
+
+def save_layer(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_tuple: bool,
+               layer_tensors: dict[str, torch.Tensor] | None, hidden: torch.Tensor, ranks: Ranks = SINGLE) -> None:
+    """Persist one finished layer: rank 0 its tensors, every rank its own hidden states (each file
+    under a name of its own, written to a temporary name and renamed); once all have, rank 0
+    writes the state that says the layer is done; only then the previous hidden states go."""
+    files = [(hidden_file(state_dir, layers_done, ranks), {"hidden": hidden})]
+    if ranks.is_main:
+        files.insert(0, (layer_file(state_dir, layers_done - 1), layer_tensors))
+    for path, tensors in files:
+        _write_atomically(path, tensors)
+    ranks.barrier()
+    if ranks.is_main:
+        tmp = state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fp, "layers_done": layers_done, "tensors": per_tensor,
+                                   "as_tuple": as_tuple}))
+        tmp.replace(state_dir / "state.json")
+    ranks.barrier()
+    hidden_file(state_dir, layers_done - 1, ranks).unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write_safetensors(tmp, tensors)
+    tmp.replace(path)

@@ -4,7 +4,7 @@ Every capture stops its forward pass as soon as it has what it needs."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -12,6 +12,10 @@ import torch
 class Accumulator(Protocol):
     def add(self, x: torch.Tensor) -> None:
         """Fold in a batch of one linear's inputs [..., K]."""
+
+    def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Become the statistic over every process's inputs; ``sum_across`` sums a tensor in
+        place over the processes."""
 
 
 class _Stop(Exception):
@@ -31,19 +35,19 @@ def hidden_of(out):
 class Replay(torch.nn.Module):
     """Stands in for a decoder layer: the first returns stored hidden states, the rest pass through."""
 
-    def __init__(self, stored: torch.Tensor | None, as_tuple: bool):
+    def __init__(self, stored: torch.Tensor | None, as_tuple: bool, device: str = "cpu"):
         super().__init__()
-        self.stored, self.as_tuple, self.index = stored, as_tuple, 0
+        self.stored, self.as_tuple, self.index, self.device = stored, as_tuple, 0, device
 
     def forward(self, hidden_states, *args, **kwargs):
-        out = hidden_states if self.stored is None else self.stored[self.index:self.index + 1]
+        out = hidden_states if self.stored is None else self.stored[self.index:self.index + 1].to(self.device)
         return (out,) if self.as_tuple else out
 
 
-def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool):
-    """Run the model's own forward up to the first decoder layer. Returns (hidden states
-    [S, T, H] fp32 of every window, or None when not ``all_samples``; the layer's keyword
-    arguments for one window, which are the same for every window of that length)."""
+def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool, device: str = "cpu"):
+    """Run the model's own forward (on ``device``) up to the first decoder layer. Returns (hidden
+    states [S, T, H] fp32 on the CPU of every window, or None when not ``all_samples``; the
+    layer's keyword arguments for one window, the same for every window of that length)."""
     captured: dict = {}
 
     def hook(module, args, kwargs):
@@ -58,7 +62,7 @@ def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool):
         for s in range(count):
             try:
                 with torch.inference_mode():
-                    model(input_ids=windows[s:s + 1], use_cache=False)
+                    model(input_ids=windows[s:s + 1].to(device), use_cache=False)
             except _Stop:
                 pass
             if hidden is None:
@@ -112,30 +116,32 @@ def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int) -> N
         handle.remove()
 
 
-def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method) -> Accumulator:
-    """``method``'s statistic of the step's shared input over every window."""
+def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method, device: str = "cpu") -> Accumulator:
+    """``method``'s statistic of the step's shared input over every window (``hidden`` on the
+    CPU, the layer on ``device``)."""
     first = layer.get_submodule(step[0])
-    acc = method.accumulator(first.in_features)
-    feed(first, acc, lambda s: layer(hidden[s:s + 1], **kwargs), hidden.shape[0])
+    acc = method.accumulator(first.in_features, device)
+    feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0])
     return acc
 
 
-def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, method) -> Accumulator:
+def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, method,
+                   device: str = "cpu") -> Accumulator:
     """The statistic of the head's inputs (the final norm's outputs), through the model's own
     code: the decoder layers are replaced by a replay of the final hidden states."""
-    replay = Replay(hidden, as_tuple)
+    replay = Replay(hidden, as_tuple, device)
     originals = list(layers)
     for i in range(len(layers)):
-        layers[i] = replay if i == 0 else Replay(None, as_tuple)
+        layers[i] = replay if i == 0 else Replay(None, as_tuple, device)
     head = model.get_output_embeddings()
     for name, p in list(model.named_parameters()):
         if p.is_meta and not name.startswith(head_name + "."):
-            set_param(model, name, reader.get(name).to(torch.float32))
-    acc = method.accumulator(head.in_features)
+            set_param(model, name, reader.get(name).to(device, torch.float32))
+    acc = method.accumulator(head.in_features, device)
 
     def run_window(s):
         replay.index = s
-        model(input_ids=windows[s:s + 1], use_cache=False)
+        model(input_ids=windows[s:s + 1].to(device), use_cache=False)
 
     try:
         feed(head, acc, run_window, windows.shape[0])

@@ -37,7 +37,7 @@ class Int4qGroup(click.Group):
     def _exit_for(e: BaseException):
         kept = getattr(e, "int4q_kept", "")
         if isinstance(e, Int4qError):
-            raise click.ClickException(str(e) + kept) from None
+            raise click.ClickException(_rank_prefix(e) + str(e) + kept) from None
         if isinstance(e, KeyboardInterrupt):
             click.echo("int4q: interrupted" + kept, err=True)
             sys.exit(130)
@@ -51,7 +51,7 @@ class Int4qGroup(click.Group):
             traceback.print_exc()
         first = str(e).splitlines()[0][:300] if str(e) else ""
         raise click.ClickException(
-            f"internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)" + kept
+            f"{_rank_prefix(e)}internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)" + kept
         ) from None
 
 
@@ -62,6 +62,15 @@ OS_ERRORS = {
     errno.EPERM: "operation not permitted: {where}; choose a folder you can write to",
     errno.EROFS: "read-only file system: {where}; choose a writable folder",
 }
+
+
+def _rank_prefix(e: BaseException) -> str:
+    """Under torchrun every rank's error says which rank it is (a lost peer's already does)."""
+    from .distributed import RankLost, in_launcher
+
+    if not in_launcher() or isinstance(e, RankLost):
+        return ""
+    return f"rank {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']}: "
 
 
 def _close_progress_bars() -> None:
@@ -137,24 +146,33 @@ def _bits(value: str | None) -> int | None:
               help="[gptq] Each group's grid by the search weighted by diag(H) before the solve, or its min/max.")
 @click.option("--seed", default=0, show_default=True, type=int, help="[gptq, weighted] Seed for the calibration windows.")
 @click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="[gptq, weighted] Where the calibration forward passes and solves run. Under torchrun every "
+                   "rank takes a share of the windows (gloo on cpu, NCCL on cuda).")
 @click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,
               type=click.Choice(FORMAT_NAMES),
               help="cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
                    "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, progress, calib,
-             nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, checkpoint_format):
+             nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
+    from . import distributed
     from .gptq_method import GptqOptions
     from .memory import peak_rss_mb
     from .planning import QuantizeOptions
-    from .quantize import CalibrationInputs, quantize_checkpoint
+    from .quantize import CalibrationInputs, Progress, quantize_checkpoint
     from .recipes import Override
     from .shards import parse_size
 
     if method not in CALIBRATED_METHODS and (calib or resume):
         raise click.UsageError(f"--calib and --resume apply to calibrated methods only ({', '.join(CALIBRATED_METHODS)})")
-    if Path(out).exists() and not overwrite:
+    ranks = distributed.SINGLE
+    if method in CALIBRATED_METHODS:
+        ranks = distributed.join(device)
+    elif distributed.in_launcher() and os.environ.get("RANK", "0") != "0":
+        return  # an uncalibrated run is rank 0's alone
+    if Path(out).exists() and not overwrite and ranks.is_main:
         raise click.UsageError(f"{out} already exists; pass --overwrite to replace it")
     options = QuantizeOptions(
         group_size=_group_size(group_size), symmetric=symmetric, clip_search=clip_search,
@@ -168,11 +186,15 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     calibration = CalibrationInputs(calib, GptqOptions(nsamples=nsamples, seqlen=seqlen, act_order=act_order,
                                                        damp=damp, seed=seed, weighted_grids=weighted_grids), resume)
     start = time.perf_counter()
-    shown = _ShownProgress(progress)
+    shown = _ShownProgress(progress) if ranks.is_main else None
     try:
-        _, report = quantize_checkpoint(model, out, options, overwrite, calibration, shown)
+        _, report = quantize_checkpoint(model, out, options, overwrite, calibration, shown or Progress(), ranks)
     finally:
-        shown.close()
+        if shown:
+            shown.close()
+        distributed.leave(ranks)
+    if report is None:
+        return
     s = report["summary"]
     click.echo(
         f"quantized {s['tensors_quantized']} tensors at group {report['quantization_config']['group_size']}: "

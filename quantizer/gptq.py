@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,8 +28,8 @@ DAMP_RETRIES = 4  # each retry multiplies the damping by 10
 class HessianAccumulator:
     """Running H = 2/n sum x x^T in fp32 over input rows x [..., K]."""
 
-    def __init__(self, k: int):
-        self.H = torch.zeros(k, k, dtype=torch.float32)
+    def __init__(self, k: int, device: str | torch.device = "cpu"):
+        self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -40,6 +41,16 @@ class HessianAccumulator:
         self.n += m
         x = x * (2.0 / self.n) ** 0.5
         self.H.addmm_(x.t(), x)
+
+    def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Become the Hessian of every process's rows: ``sum_across`` sums a tensor in place over
+        the processes. Each H is weighted by its row count, so the result is the one a single
+        process would have accumulated, up to fp32 summation order."""
+        total = int(sum_across(torch.tensor([self.n], dtype=torch.float64)).item())
+        self.H *= self.n
+        sum_across(self.H)
+        self.H /= max(total, 1)
+        self.n = total
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
     """Upper Cholesky factor of H^-1 after adding damp * mean(diag H) to the diagonal; retries
     with 10x the damping when H is not positive definite."""
     mean_diag = torch.mean(torch.diag(H)).item() or 1.0
-    eye = torch.eye(H.shape[0], dtype=H.dtype)
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
         L, info = torch.linalg.cholesky_ex(H + d * mean_diag * eye)
@@ -86,7 +97,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: 
     H = H.to(torch.float32).clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=H.device)
     U, used_damp, retries = _inverse_cholesky(H[perm][:, perm], damp)
     weights = torch.diag(H).masked_fill(dead, 0.0) if weighted_grids else None
     parts = [_solve_rows(rows, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero, weights)
@@ -112,14 +123,14 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
         return weighted_grid_search(cols, w, symmetric, integer_zero)[:2]
 
     stored = torch.float32 if integer_zero else torch.bfloat16
-    scale = torch.empty(n, groups, dtype=stored)
-    zero = torch.empty(n, groups, dtype=stored)
+    scale = torch.empty(n, groups, dtype=stored, device=W.device)
+    zero = torch.empty(n, groups, dtype=stored, device=W.device)
     if act_order:
         s, z = params_of(W.reshape(n, groups, group_size), 0)  # static groups, from the original weights
         scale[:], zero[:] = s, z
         W = W[:, perm]
     group_of = perm // group_size  # group of each (permuted) column
-    codes = torch.empty(n, k, dtype=torch.uint8)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].clone()

@@ -31,8 +31,8 @@ class GptqMethod:
     options: GptqOptions
     integer_zero: bool = False
 
-    def accumulator(self, in_features: int) -> HessianAccumulator:
-        return HessianAccumulator(in_features)
+    def accumulator(self, in_features: int, device: str = "cpu") -> HessianAccumulator:
+        return HessianAccumulator(in_features, device)
 
     def settings(self) -> dict:
         """What the run's calibration record adds for this method."""

@@ -12,8 +12,12 @@ sees no activations, by round-to-nearest.
 A method is a :class:`LayerwiseMethod`: per step the driver feeds the step's input to the
 method's accumulator, then asks it to quantize each linear of the step given that accumulator.
 
-Peak memory ~ one layer in fp32 + the step's accumulators + two copies of the calibration
-activations (nsamples x seqlen x hidden fp32).
+Under torchrun each rank holds only its share of the windows and their activations (see
+distributed.py): the ranks sum each step's statistic, split the step's linears between them and
+broadcast the solved weights; rank 0 alone saves the layers and writes the output.
+
+Peak memory per rank ~ one layer in fp32 + the step's accumulators + two copies of its share of
+the calibration activations (nsamples / world_size x seqlen x hidden fp32).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from . import calib_state, capture
 from .capture import Accumulator
 from .checkpoint import CheckpointReader
+from .distributed import SINGLE, Ranks
 from .memory import proc_status_mb, release_free_memory
 from .grid import GroupQuantized
 from .planning import QuantizationPlan
@@ -41,65 +46,97 @@ Say = Callable[[str], None]
 
 
 class LayerwiseMethod(Protocol):
-    def accumulator(self, in_features: int) -> Accumulator:
+    def accumulator(self, in_features: int, device: str = "cpu") -> Accumulator:
         """A fresh statistic of a step's input."""
 
     def quantize(self, weight: torch.Tensor, stats: Accumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
         """One linear's weight [N, K] given its input's statistic: the quantized weight and a report entry."""
 
 
-def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, dtype=torch.float32) -> None:
-    """Load every parameter of ``module`` (as ``dtype``) from the checkpoint."""
+def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, dtype=torch.float32,
+                 device: str = "cpu") -> None:
+    """Load every parameter of ``module`` (as ``dtype``, on ``device``) from the checkpoint."""
     for name, _ in list(module.named_parameters()):
-        capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(dtype))
+        capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(device, dtype))
+
+
+def _buffers_to(model: torch.nn.Module, device: str) -> None:
+    """Move the model's materialised buffers (rotary tables) to ``device``."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
 
 
 def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
-                  fingerprint: str, resume: bool = False, say: Say | None = None) -> dict:
+                  fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE) -> dict | None:
     """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
-    (the partial folder; its state subfolder holds the progress). Returns the report."""
+    (the partial folder; its state subfolder holds the progress). Each rank runs its own share of
+    the windows; rank 0 returns the report, the other ranks None."""
     start = time.perf_counter()
     say = say or (lambda m: None)
     state_dir = out_dir / calib_state.STATE_DIR
-    state = calib_state.load_state(state_dir, fingerprint, resume)
+    state = calib_state.load_state(state_dir, fingerprint, resume, ranks) if ranks.is_main else {}
+    ranks.barrier()  # rank 0 has prepared the state folder
+    state_dir.mkdir(parents=True, exist_ok=True)
+    done, as_tuple = ranks.broadcast_object((state.get("layers_done"), state.get("as_tuple", False)))
+    own = windows[ranks.share(windows.shape[0])]
     model = build_empty_model(plan.source_config).float()
+    _buffers_to(model, ranks.device)
     layers_name, layers = decoder_layers(model)
     emb = model.get_input_embeddings()
-    _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16)  # a lookup: bf16 is exact
+    _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16, ranks.device)  # a lookup: bf16 is exact
     # ...but its output must be fp32, or the model derives bf16 rotary tables from its dtype
     emb.register_forward_hook(lambda module, args, out: out.float())
 
-    per_tensor: dict[str, dict] = state["tensors"]
-    done, as_tuple = state["layers_done"], state.get("as_tuple", False)
-    hidden, kwargs = capture.capture_inputs(model, layers, windows, all_samples=done == 0)
+    per_tensor: dict[str, dict] = state.get("tensors", {})
+    hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)
     if done:
-        hidden = calib_state.read_safetensors(calib_state.hidden_file(state_dir, done))["hidden"]
+        hidden = calib_state.load_hidden(state_dir, done, ranks)
         say(f"resuming after layer {done}/{len(layers)}")
     for i in range(done, len(layers)):
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"
-        _materialize(layers[i], prefix, plan.reader)
-        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor)
-        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs)
-        for name in plan.reader.infos:
+        _materialize(layers[i], prefix, plan.reader, device=ranks.device)
+        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks)
+        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device)
+        for name in plan.reader.infos if ranks.is_main else ():
             if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
                 out_tensors[name] = plan.reader.get(name)
         layers[i].to("meta")
-        calib_state.save_state(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden)
+        calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks)
         release_free_memory()
         say(f"layer {i + 1}/{len(layers)} quantized in {time.perf_counter() - layer_start:.1f} s "
             f"(peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB)")
 
-    head_tensors = {}
-    head = _head_target(plan)
-    if head:
-        say(f"quantizing {head} on the final hidden states")
-        acc = capture.head_statistic(model, layers, plan.reader, hidden, windows, as_tuple, plan.structure.head, method)
-        head_tensors = _quantize_weight(plan, method, head, plan.reader.get(plan.targets[head]), acc, per_tensor)[1]
-        del acc
-    shards = _write_output(plan, out_dir, layers_name, len(layers), head, head_tensors, per_tensor)
+    head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say)
+    calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
+    ranks.barrier()  # every rank is done with the state folder
+    if not ranks.is_main:
+        return None
+    shards = _write_output(plan, out_dir, layers_name, len(layers), _head_target(plan), head_tensors, per_tensor)
     damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
-    return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries)
+    return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries,
+                         world_size=ranks.world_size, windows_per_rank=ranks.shares(windows.shape[0]))
+
+
+def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, per_tensor, ranks: Ranks,
+                   say: Say) -> dict[str, torch.Tensor]:
+    """The head's (or tied table's) tensors, quantized on the final hidden states of every rank's
+    windows; solved on rank 0, the only rank that gets them."""
+    head = _head_target(plan)
+    if not head:
+        return {}
+    say(f"quantizing {head} on the final hidden states")
+    acc = capture.head_statistic(model, layers, plan.reader, hidden, own_windows, as_tuple, plan.structure.head,
+                                 method, ranks.device)
+    if ranks.distributed:
+        acc.merge(ranks.sum_)
+    if not ranks.is_main:
+        return {}
+    weight = plan.reader.get(plan.targets[head]).to(ranks.device)
+    result = method.quantize(weight, acc, plan.scheme_of(head))
+    return _record(plan, head, weight.shape, *result, per_tensor)
 
 
 def _head_target(plan: QuantizationPlan) -> str | None:
@@ -110,37 +147,46 @@ def _head_target(plan: QuantizationPlan) -> str | None:
     return emb if plan.tied_output and emb in plan.targets else None
 
 
-def _quantize_weight(plan, method, module: str, weight: torch.Tensor, acc, per_tensor: dict):
-    """(the quantized weight, its tensors in the plan's format); records its report entry."""
-    gq, stats = method.quantize(weight, acc, plan.scheme_of(module))
-    tensors = plan.format.tensors(module, gq)
-    per_tensor[module] = module_entry(plan.targets[module], weight.shape, tensors, stats)
-    return gq, tensors
+def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[str, torch.Tensor]:
+    """The quantized weight's tensors in the plan's format (on the CPU); records its report entry."""
+    tensors = {name: t.cpu() for name, t in plan.format.tensors(module, q).items()}
+    per_tensor[module] = module_entry(plan.targets[module], shape, tensors, stats)
+    return tensors
 
 
-def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict) -> dict[str, torch.Tensor]:
+def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict,
+                    ranks: Ranks = SINGLE) -> dict[str, torch.Tensor]:
     """Quantize the layer's target linears step by step, leaving their dequantized weights in
-    place for the later steps; returns their checkpoint tensors."""
+    place for the later steps; returns their checkpoint tensors (on rank 0). The ranks sum each
+    step's statistic, split its linears between them, and share the solved weights."""
     wanted = {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
     out_tensors: dict[str, torch.Tensor] = {}
-    for step in capture.linear_steps(layer, hidden[:1], kwargs, wanted):
-        acc = capture.accumulate(layer, step, hidden, kwargs, method)
-        for name in step:
-            linear = layer.get_submodule(name)
-            gq, tensors = _quantize_weight(plan, method, f"{prefix}.{name}", linear.weight, acc, per_tensor)
-            out_tensors.update(tensors)
-            linear.weight.data = gq.dequantize()
+    for step in capture.linear_steps(layer, hidden[:1].to(ranks.device), kwargs, wanted):
+        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device)
+        if ranks.distributed:
+            acc.merge(ranks.sum_)
+        linears = [layer.get_submodule(name) for name in step]
+        owners = ranks.owner_of([linear.weight.numel() for linear in linears])
+        mine = {name: method.quantize(linear.weight, acc, plan.scheme_of(f"{prefix}.{name}"))
+                for name, linear, owner in zip(step, linears, owners) if owner == ranks.rank}
         del acc
+        for name, linear, owner in zip(step, linears, owners):
+            q, stats = mine.get(name, (None, None))
+            q = ranks.broadcast_dataclass(q, owner)
+            stats = ranks.broadcast_object(stats, owner)
+            if ranks.is_main:
+                out_tensors.update(_record(plan, f"{prefix}.{name}", linear.weight.shape, q, stats, per_tensor))
+            linear.weight.data = q.dequantize()
     return out_tensors
 
 
-def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool]:
-    """The (quantized) layer's outputs for every window, and whether the layer returns a tuple."""
+def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu") -> tuple[torch.Tensor, bool]:
+    """The (quantized) layer's outputs for every window (kept on the CPU), and whether the layer returns a tuple."""
     hidden_out = torch.empty_like(hidden)
     as_tuple = False
     with torch.inference_mode():
         for s in range(hidden.shape[0]):
-            out = layer(hidden[s:s + 1], **kwargs)
+            out = layer(hidden[s:s + 1].to(device), **kwargs)
             as_tuple = isinstance(out, tuple)
             hidden_out[s:s + 1] = capture.hidden_of(out)
     return hidden_out, as_tuple

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from .calib_state import STATE_DIR
+from .distributed import SINGLE, Ranks
+from .errors import InputError
 from .gptq_method import GptqOptions
 from .config import CALIBRATED_METHODS
 from .planning import QuantizationPlan, QuantizeOptions, plan_quantization
@@ -38,25 +41,31 @@ class CalibrationInputs:
 
 def quantize_checkpoint(model: str, out: Path, options: QuantizeOptions, overwrite: bool = False,
                         calibration: CalibrationInputs = CalibrationInputs(),
-                        progress: Progress = Progress()) -> tuple[QuantizationPlan, dict]:
-    """Quantize ``model`` (a folder or a Hub repo id) into ``out``. Returns the plan and the report.
+                        progress: Progress = Progress(), ranks: Ranks = SINGLE) -> tuple[QuantizationPlan, dict | None]:
+    """Quantize ``model`` (a folder or a Hub repo id) into ``out``. Returns the plan and the report
+    (None on a rank other than 0 of a distributed calibrated run, which writes no output).
 
     An interrupted calibrated run keeps its finished layers for ``resume``; the exception then
     carries ``int4q_kept``, a sentence saying where they are."""
     from .hub import resolve_model_dir
     from .outdir import check_free_space, check_output_target
 
+    calibrated = options.method in CALIBRATED_METHODS
+    if ranks.distributed and not calibrated:
+        raise InputError(f"--method {options.method} needs no calibration and runs in one process; "
+                         "start it without torchrun")
     model_dir = resolve_model_dir(model)
     inputs = [model_dir] + ([calibration.text_file] if calibration.text_file else [])
-    check_output_target(out, overwrite, inputs)
+    if ranks.is_main:
+        check_output_target(out, overwrite, inputs)
     plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
-    for note in plan.notes:
-        progress.note(note)
-    calibrated = options.method in CALIBRATED_METHODS
-    tokens = calibration.gptq.nsamples * calibration.gptq.seqlen if calibrated else 0
-    check_free_space(out, plan.disk_bytes_needed(tokens))
+    if ranks.is_main:
+        for note in plan.notes:
+            progress.note(note)
+        tokens = calibration.gptq.nsamples * calibration.gptq.seqlen if calibrated else 0
+        check_free_space(out, plan.disk_bytes_needed(tokens))
     if calibrated:
-        return plan, _run_calibrated(plan, model_dir, out, overwrite, inputs, calibration, progress)
+        return plan, _run_calibrated(plan, model_dir, out, overwrite, inputs, calibration, progress, ranks)
     return plan, _run_streamed(plan, out, overwrite, inputs, progress)
 
 
@@ -70,20 +79,36 @@ def _run_streamed(plan, out: Path, overwrite: bool, inputs: list[Path], progress
 
 
 def _run_calibrated(plan, model_dir: Path, out: Path, overwrite: bool, inputs: list[Path],
-                    calibration: CalibrationInputs, progress: Progress) -> dict:
+                    calibration: CalibrationInputs, progress: Progress, ranks: Ranks) -> dict | None:
     from .calibrated import run_calibrated
     from .outdir import atomic_output_dir, partial_dir
     from .runtime import load_tokenizer
     from .textdata import load_text
 
+    if not ranks.is_main:
+        return _run_worker(plan, partial_dir(out), calibration, ranks)
     text, origin = load_text(calibration.text_file, "calib")
     tokenizer = load_tokenizer(model_dir)
     try:
         with atomic_output_dir(out, overwrite, keep_partial=True, resume=calibration.resume, inputs=inputs) as tmp:
             return run_calibrated(plan, tmp, tokenizer, text, origin, calibration.gptq, resume=calibration.resume,
-                                  progress=progress.say)
+                                  progress=progress.say, ranks=ranks)
     except BaseException as e:
         if partial_dir(out).exists():
             e.int4q_kept = (f"; the finished layers are kept in {partial_dir(out)}: rerun the same command "
                             "with --resume to continue, or delete that folder")
         raise
+
+
+def _run_worker(plan, partial: Path, calibration: CalibrationInputs, ranks: Ranks) -> None:
+    """A rank other than 0: its share of the windows, its hidden states under rank 0's partial
+    folder path (on its own machine's disk when it runs elsewhere), no output of its own."""
+    from .calibrated import run_calibrated
+
+    run_calibrated(plan, partial, None, None, "", calibration.gptq, resume=calibration.resume, ranks=ranks)
+    for folder in (partial / STATE_DIR, partial):  # left empty on a machine that holds no output
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+    return None

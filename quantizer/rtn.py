@@ -37,7 +37,7 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
                                       integer_zero=integer_zero, column_weights=column_weights)
         stats.add(rows, part.dequantize())
         if out is None:
-            out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype) for t in _fields(part)))
+            out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in _fields(part)))
         for mine, theirs in zip(_fields(out), _fields(part)):
             mine[start:start + ROW_CHUNK] = theirs
     return out, stats

@@ -5,6 +5,7 @@ matrix), and each group's grid is the one that minimises the error weighted by i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,14 +17,19 @@ from .scheme import ModuleScheme
 class ColumnMeanSquare:
     """The running mean of x² per input column of a linear."""
 
-    def __init__(self, k: int):
-        self.sum = torch.zeros(k, dtype=torch.float64)
+    def __init__(self, k: int, device: str | torch.device = "cpu"):
+        self.sum = torch.zeros(k, dtype=torch.float64, device=device)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.sum += x.pow(2).sum(0).to(torch.float64)
         self.n += x.shape[0]
+
+    def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Become the statistic of every process's rows (``sum_across`` sums in place over them)."""
+        sum_across(self.sum)
+        self.n = int(sum_across(torch.tensor([self.n], dtype=torch.float64)).item())
 
     @property
     def value(self) -> torch.Tensor:
@@ -37,8 +43,8 @@ class WeightedRtnMethod:
 
     integer_zero: bool = False
 
-    def accumulator(self, in_features: int) -> ColumnMeanSquare:
-        return ColumnMeanSquare(in_features)
+    def accumulator(self, in_features: int, device: str = "cpu") -> ColumnMeanSquare:
+        return ColumnMeanSquare(in_features, device)
 
     def settings(self) -> dict:
         return {}
