@@ -11,3 +11,11 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 __version__ = "0.1.0"
+
+
+def _register_with_transformers() -> None:
+    """Make ``AutoModelForCausalLM.from_pretrained`` load cpu_int4 folders (see hf_quantizer.py)."""
+    from . import hf_quantizer  # noqa: F401  (registration happens at its import)
+
+
+_register_with_transformers()

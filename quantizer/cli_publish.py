@@ -35,6 +35,7 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
 
     import torch
 
+    from .cli_progress import StepReporter
     from .verify_report import run_verify
 
     if threads:
@@ -46,8 +47,12 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install 'int4q[plot]'") from None
-    report = run_verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld,
-                        say=lambda m: click.echo(m, err=True))
+    steps = StepReporter(unit="window")
+    try:
+        report = run_verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld,
+                            say=lambda m: click.echo(m, err=True), step=steps)
+    finally:
+        steps.close()
     for line in report["summary_lines"]:
         click.echo(line)
     if json_path:
@@ -89,5 +94,6 @@ def push(folder, repo_id, private, revision, commit_message, endpoint, token, dr
     files = hub.upload_files(folder)
     click.echo(f"int4q: pushing {len(files)} files ({sum(f.size for f in files) / 1e6:.1f} MB) to {repo_id}; "
                "unchanged files are skipped", err=True)
-    url = hub.push(folder, repo_id, hub.resolve_token(token), endpoint, private, revision, commit_message)
+    url = hub.push(folder, repo_id, hub.resolve_token(token), endpoint, private, revision, commit_message,
+                   show_bars=sys.stderr.isatty())  # off a terminal, the line above is the progress
     click.echo(url)

@@ -60,6 +60,7 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
 
     import torch
 
+    from .cli_progress import StepReporter
     from .runtime.bench import bench_models
 
     if json_path and not json_path.parent.is_dir():
@@ -67,11 +68,18 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
     if threads:
         torch.set_num_threads(threads)
 
-    def show(rep, name, r):
-        click.echo(f"  rep {rep + 1}/{reps} {name}: pp {r.pp[-1] if r.pp else 0:.1f} tok/s, "
-                   f"tg {r.tg[-1] if r.tg else 0:.2f} tok/s", err=True)
+    arms = 2 if baseline else 1
+    steps = StepReporter(unit="run")
+    runs = iter(range(1, reps * arms + 1))
 
-    out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show)
+    def show(rep, name, r):
+        steps("bench runs", next(runs), reps * arms,
+              f"{name} pp {r.pp[-1] if r.pp else 0:.1f} tg {r.tg[-1] if r.tg else 0:.2f} tok/s")
+
+    try:
+        out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show)
+    finally:
+        steps.close()
     click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} tg{gen_tokens}, "
                f"{reps} reps (best / median)")
     for name, r in out["arms"].items():

@@ -71,6 +71,12 @@ class Ranks:
                 tensor.copy_(on_device)
         return tensor
 
+    def gather_value(self, value: float) -> list[float]:
+        """Every rank's ``value``, by rank (a collective: it also waits for every rank)."""
+        values = torch.zeros(self.world_size, dtype=torch.float64)
+        values[self.rank] = value
+        return self.sum_(values).tolist()
+
     def broadcast_object(self, obj, src: int = 0):
         """``obj`` from rank ``src`` on every rank (picklable; keep it small)."""
         if not self.distributed:

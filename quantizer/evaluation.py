@@ -60,7 +60,8 @@ def token_windows(tokenizer, text: str, ctx: int, max_windows: int) -> list[torc
 
 @torch.inference_mode()
 def teacher_forced(reference, quantized, windows: list[torch.Tensor], progress=None) -> FidelityResult:
-    """Score the second half of each window (the first half is context, as llama-perplexity does)."""
+    """Score the second half of each window (the first half is context, as llama-perplexity does);
+    ``progress(done, total)`` after each window."""
     klds, agree, nll_ref, nll_q = [], 0, 0.0, 0.0
     for i, ids in enumerate(windows):
         start = ids.shape[1] // 2
@@ -72,7 +73,7 @@ def teacher_forced(reference, quantized, windows: list[torch.Tensor], progress=N
         nll_ref -= lp_ref.gather(-1, target[:, None]).sum().item()
         nll_q -= lp_q.gather(-1, target[:, None]).sum().item()
         if progress:
-            progress(i)
+            progress(i + 1, len(windows))
     kld = torch.cat(klds)
     n = kld.numel()
     return FidelityResult(
@@ -101,5 +102,5 @@ def greedy_agreement(reference, quantized, tokenizer, max_new_tokens: int, resul
             "quantized": tokenizer.decode(got[0], skip_special_tokens=True),
         })
         if progress:
-            progress(i)
+            progress(i + 1, len(prompts))
     result.greedy_total = len(prompts)

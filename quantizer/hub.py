@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ CARD_NAME = "README.md"
 METHOD_NAMES = {"gptq": "GPTQ", "minmax": "round-to-nearest on the min/max grid",
                 "weighted": "round-to-nearest on activation-weighted grids"}
 RETRIES = 3  # attempts for a push that fails on a connection error or a 5xx
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class PushError(Int4qError):
@@ -74,60 +76,89 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+PLOT_NAME = "verify_snr.png"  # verify --plot writes it; the card shows it when the folder has it
+
+
 def model_card(folder: Path, repo_id: str) -> str:
-    """README.md text: YAML front matter, what was done, bits per weight, verify numbers when a
-    verify_report.json is present, and how to run it."""
+    """README.md text: YAML front matter (``base_model`` only when it is a Hub id), what was done,
+    bits per weight, verify's numbers beside the source's when a verify_report.json is present,
+    the SNR plot when the folder has one, and how to run it."""
     folder = Path(folder)
     config = _read_json(folder / "config.json") or {}
     qc = config.get("quantization_config") or {}
     report = _read_json(folder / "quantization_report.json") or {}
-    verify = _read_json(folder / "verify_report.json") or {}
-    summary = report.get("summary", {})
     fmt = format_of_config(qc) or get_format(RUNTIME_FORMAT)
-    runs_here = fmt.name == RUNTIME_FORMAT
-    report_qc = report.get("quantization_config") or {}
-    method = report_qc.get("method") or qc.get("method", "minmax")
-    symmetric = report_qc.get("symmetric", qc.get("symmetric", qc.get("sym")))
-    base = report.get("source_model")
+    method = (report.get("quantization_config") or {}).get("method") or qc.get("method", "minmax")
+    base = report.get("base_model") or base_model_id(report.get("source_model") or "", config)
     tags = ["4-bit", "int4q", fmt.name] + (["gptq"] if method == "gptq" and fmt.name != "gptq" else [])
-    front = ["---"]
-    if base and "/" in base and not Path(base).exists():
-        front.append(f"base_model: {base}")
-    front += ["library_name: int4q", "pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags] + ["---"]
-    calib = qc.get("calibration") or report_qc.get("calibration") or {}
-    lines = [
-        *front, "", f"# {repo_id.split('/')[-1]}", "",
-        f"A 4-bit group-wise quantization{f' of `{base}`' if base else ''}, made with int4q.", "",
-        "| | |", "| --- | --- |",
-        f"| format | {fmt.description} |",
-        f"| method | {METHOD_NAMES.get(method, method)} |",
-        f"| group size | {qc.get('group_size')} |",
-        f"| grid | {'symmetric' if symmetric else 'asymmetric'} |",
-    ]
-    if report.get("recipe"):
-        lines.append(f"| precision recipe | {report['recipe']} ({len(qc.get('modules') or {})} modules not 4-bit "
-                     f"g{qc.get('group_size')}) |")
-    if summary.get("bits_per_weight"):
-        lines.append(f"| bits per weight (quantized tensors) | {summary['bits_per_weight']} |")
-    if summary.get("whole_model_bits_per_weight"):
-        lines.append(f"| bits per weight (whole model) | {summary['whole_model_bits_per_weight']} |")
-    if calib:
-        lines.append(f"| calibration | {calib.get('nsamples')} x {calib.get('seqlen')} tokens of {calib.get('text')} |")
-    fid = verify.get("fidelity")
-    if fid:
-        lines += ["", "## Fidelity (`int4q verify`)", "",
-                  f"Against the source on {fid['tokens_scored']} tokens of {fid['text']} (context {fid['ctx']}):", "",
-                  "| KLD mean | KLD p99.9 | top-1 agreement | perplexity ratio | greedy exact match |",
-                  "| --- | --- | --- | --- | --- |",
-                  f"| {fid['kld_mean']:.4f} | {fid['kld_p999']:.4f} | {100 * fid['top1_agreement']:.2f}% | "
-                  f"{fid['ppl_ratio']:.4f} | {fid['greedy_matches']}/{fid['greedy_total']} |"]
-    if runs_here:
-        lines += ["", "## Run it", "", "```bash", "pip install int4q",
-                  f"huggingface-cli download {repo_id} --local-dir model",
-                  "int4q generate model --chat --prompt \"Hello!\"", "```", "", "```python",
-                  "from quantizer.runtime import load_model, load_tokenizer",
-                  "model, tokenizer = load_model(\"model\"), load_tokenizer(\"model\")", "```"]
+    front = ["---"] + ([f"base_model: {base}"] if base else [])
+    front += ["library_name: int4q", "pipeline_tag: text-generation", "tags:"] + [f"- {t}" for t in tags]
+    lines = [*front, "---", "", f"# {repo_id.split('/')[-1]}", "",
+             f"A 4-bit group-wise quantization{f' of [`{base}`](https://huggingface.co/{base})' if base else ''}, "
+             "made with int4q.", "", *_settings_table(fmt, method, qc, report)]
+    lines += _fidelity_section(_read_json(folder / "verify_report.json") or {}, (folder / PLOT_NAME).is_file())
+    lines += _usage_section(repo_id, fmt.name == RUNTIME_FORMAT)
     return "\n".join(lines) + "\n"
+
+
+def _settings_table(fmt, method: str, qc: dict, report: dict) -> list[str]:
+    summary, report_qc = report.get("summary", {}), report.get("quantization_config") or {}
+    symmetric = report_qc.get("symmetric", qc.get("symmetric", qc.get("sym")))
+    rows = [("format", fmt.description), ("method", METHOD_NAMES.get(method, method)),
+            ("group size", qc.get("group_size")), ("grid", "symmetric" if symmetric else "asymmetric")]
+    if report.get("recipe"):
+        rows.append(("precision recipe", f"{report['recipe']} ({len(qc.get('modules') or {})} modules not "
+                                         f"4-bit g{qc.get('group_size')})"))
+    rows += [(label, summary[key]) for label, key in (("bits per weight (quantized tensors)", "bits_per_weight"),
+                                                     ("bits per weight (whole model)", "whole_model_bits_per_weight"))
+             if summary.get(key)]
+    calib = qc.get("calibration") or report_qc.get("calibration") or {}
+    if calib:
+        rows.append(("calibration", f"{calib.get('nsamples')} x {calib.get('seqlen')} tokens of {calib.get('text')}"))
+    return ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
+
+
+def _fidelity_section(verify: dict, has_plot: bool) -> list[str]:
+    fid = verify.get("fidelity")
+    if not fid:
+        return []
+    lines = ["", "## Fidelity (`int4q verify`)", "",
+             f"Against the bf16 source on {fid['tokens_scored']} tokens of {fid['text']} (context {fid['ctx']}):", "",
+             "| | bf16 source | this model |", "| --- | --- | --- |",
+             f"| perplexity | {fid['ppl_reference']:.4f} | {fid['ppl_quantized']:.4f} (x{fid['ppl_ratio']:.4f}) |",
+             f"| KLD to the source, mean / p99.9 | 0 | {fid['kld_mean']:.4f} / {fid['kld_p999']:.4f} |",
+             f"| top-1 agreement with the source | 100% | {100 * fid['top1_agreement']:.2f}% |",
+             f"| greedy continuations identical | {fid['greedy_total']}/{fid['greedy_total']} | "
+             f"{fid['greedy_matches']}/{fid['greedy_total']} |"]
+    if has_plot:
+        lines += ["", f"![Per-tensor SNR and the KLD distribution]({PLOT_NAME})"]
+    return lines
+
+
+def _install_line() -> str:
+    """How to install this int4q: from its published source when the package metadata names one."""
+    from importlib import metadata
+
+    try:
+        urls = metadata.metadata("int4q").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        urls = []
+    source = next((u.split(",", 1)[1].strip() for u in urls if u.lower().startswith(("source", "repository"))), None)
+    if source:
+        return f'pip install "int4q @ git+{source}"'
+    return "pip install ./int4q  # from a checkout of int4q's source: it is not on PyPI"
+
+
+def _usage_section(repo_id: str, runs_here: bool) -> list[str]:
+    if not runs_here:
+        return []
+    return ["", "## Run it", "", "```bash", _install_line(), f"hf download {repo_id} --local-dir model",
+            "int4q generate model --chat --prompt \"Hello!\"", "```", "",
+            "With transformers (int4q registers its loader when imported):", "", "```python",
+            "import quantizer  # registers the cpu_int4 format with transformers",
+            "from transformers import pipeline", "",
+            f"generate = pipeline(\"text-generation\", model=\"{repo_id}\")",
+            "print(generate(\"Hello!\", max_new_tokens=40)[0][\"generated_text\"])", "```"]
 
 
 def _describe(e: Exception, token: str | None) -> str:
@@ -151,13 +182,13 @@ def _transient(e: Exception) -> bool:
 
 
 def push(folder: Path, repo_id: str, token: str | None, endpoint: str | None, private: bool,
-         revision: str | None, commit_message: str | None) -> str:
+         revision: str | None, commit_message: str | None, show_bars: bool = False) -> str:
     """Create the repository (existing is fine), write a model card if there is none, and upload
     the folder in one commit. Returns the commit URL."""
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    # Its bars end without a newline when an upload fails, so the error would share their line.
-    disable_progress_bars()
+    # huggingface_hub's upload bars (rate, ETA) on a terminal only; the CLI closes them before an error line.
+    enable_progress_bars() if show_bars else disable_progress_bars()
     folder = Path(folder)
     card = folder / CARD_NAME
     wrote_card = not card.exists()
@@ -205,6 +236,23 @@ def resolve_token(token: str | None) -> str | None:
     from huggingface_hub import get_token
 
     return get_token()
+
+
+def looks_like_hub_id(name: str | None) -> bool:
+    """``owner/name`` with Hub-legal characters and no local folder of that name."""
+    return bool(name) and HUB_ID.fullmatch(name) is not None and not Path(name).exists()
+
+
+def base_model_id(named: str, config: dict, explicit: str | None = None) -> str | None:
+    """The Hub id of the model a quantization was made from, for the card's ``base_model``: the
+    one given (``--base-model``), else ``--model`` when it was a Hub id, else the source config's
+    ``_name_or_path`` when that is one; None when none is known (a local path is never one)."""
+    if explicit and not looks_like_hub_id(explicit):
+        raise InputError(f"--base-model {explicit}: not a Hub id (owner/name); give the id the source was downloaded as")
+    for candidate in (explicit, named, config.get("_name_or_path")):
+        if looks_like_hub_id(candidate):
+            return candidate
+    return None
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -33,7 +33,7 @@ from . import calib_state, capture
 from .capture import Accumulator
 from .checkpoint import CheckpointReader
 from .distributed import SINGLE, Ranks
-from .memory import proc_status_mb, release_free_memory
+from .memory import peak_rss_mb, proc_status_mb, release_free_memory
 from .grid import GroupQuantized
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
@@ -43,6 +43,7 @@ from .shards import ShardWriter, TensorSpec, file_specs
 from .structure import build_empty_model, decoder_layers
 
 Say = Callable[[str], None]
+Step = Callable[[str, int, int, str], None]  # (what, done, total, note)
 
 
 class LayerwiseMethod(Protocol):
@@ -69,12 +70,15 @@ def _buffers_to(model: torch.nn.Module, device: str) -> None:
 
 
 def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
-                  fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE) -> dict | None:
+                  fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE,
+                  step: Step | None = None) -> dict | None:
     """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
     (the partial folder; its state subfolder holds the progress). Each rank runs its own share of
-    the windows; rank 0 returns the report, the other ranks None."""
+    the windows; rank 0 returns the report, the other ranks None. ``say`` gets messages and
+    ``step("layer", done, total, note)`` each finished layer."""
     start = time.perf_counter()
     say = say or (lambda m: None)
+    step = step or (lambda *a: None)
     state_dir = out_dir / calib_state.STATE_DIR
     state = calib_state.load_state(state_dir, fingerprint, resume, ranks) if ranks.is_main else {}
     ranks.barrier()  # rank 0 has prepared the state folder
@@ -106,18 +110,19 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         layers[i].to("meta")
         calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks)
         release_free_memory()
-        say(f"layer {i + 1}/{len(layers)} quantized in {time.perf_counter() - layer_start:.1f} s "
-            f"(peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB)")
+        step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
+             f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
 
     head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say)
     calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
-    ranks.barrier()  # every rank is done with the state folder
+    peaks = ranks.gather_value(peak_rss_mb())  # and every rank is done with the state folder
     if not ranks.is_main:
         return None
     shards = _write_output(plan, out_dir, layers_name, len(layers), _head_target(plan), head_tensors, per_tensor)
     damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
     return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries,
-                         world_size=ranks.world_size, windows_per_rank=ranks.shares(windows.shape[0]))
+                         world_size=ranks.world_size, windows_per_rank=ranks.shares(windows.shape[0]),
+                         calibration_peak_rss_mb_per_rank=[round(p) for p in peaks])
 
 
 def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, per_tensor, ranks: Ranks,

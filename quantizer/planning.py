@@ -32,7 +32,7 @@ class QuantizeOptions:
     """User choices. ``group_size=None`` means auto."""
 
     group_size: int | None = None
-    symmetric: bool = False
+    symmetric: bool | None = False  # None: the format's default grid
     clip_search: bool = False
     keep_embedding: bool = False
     untie_head: bool = False
@@ -66,6 +66,7 @@ class QuantizationPlan:
     dropped: frozenset[str] = field(default_factory=frozenset)
     tied_output: bool = False
     source_name: str | None = None  # what the user named (a Hub id or a path), for the model card
+    base_model: str | None = None  # the source's Hub id, when one is known (see hub.base_model_id)
     notes: tuple[str, ...] = ()  # choices the plan made that the user did not ask for
     fallbacks: dict[str, str] = field(default_factory=dict)  # module -> why its group or bits differ
 
@@ -78,7 +79,9 @@ class QuantizationPlan:
 
     def output_config(self) -> dict:
         cfg = copy.deepcopy(self.source_config)
-        cfg["quantization_config"] = self.format.quantization_config(self.qconfig)
+        head = self.structure.head
+        cfg["quantization_config"] = self.format.quantization_config(
+            self.qconfig, head_quantized=bool(head) and head in self.targets and self.scheme_of(head).bits < 16)
         cfg["tie_word_embeddings"] = self.tied_output
         if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg["text_config"]:
             cfg["text_config"]["tie_word_embeddings"] = self.tied_output
@@ -177,6 +180,11 @@ def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tup
     kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
     options = dataclasses.replace(options, ignore=options.ignore + kept)
     fmt = get_format(options.checkpoint_format)
+    if options.symmetric is None:
+        options = dataclasses.replace(options, symmetric=fmt.default_symmetric)
+        if fmt.default_symmetric:
+            notes.append(f"the {fmt.name} export uses a symmetric grid, the one every GPTQ loader accepts "
+                         "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for vLLM only")
     table = _table_bits(options, emb)
     if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
         if options.embedding_bits is not None:
@@ -186,6 +194,11 @@ def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tup
     source_tied = structure.tied and emb is not None and head is not None
     own_head = not source_tied or options.untie_head or options.method in UNTIED_HEAD_METHODS
     head_bits = options.head_bits or (recipe_bits(options.recipe, head or "", True, 0) if own_head else table)
+    if fmt.head_kept_by_default and options.head_bits is None and not options.untie_head and head \
+            and head_bits != KEPT_BITS:
+        head_bits = KEPT_BITS
+        notes.append(f"the {fmt.name} export keeps {head} in bf16, which transformers' GPTQ loader needs; "
+                     "--head-bits 4 quantizes it for vLLM and GPTQModel")
     if head and matches_ignore(head, options.ignore):
         head_bits = KEPT_BITS
     options = dataclasses.replace(options, embedding_bits=table, head_bits=head_bits,

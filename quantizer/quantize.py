@@ -24,7 +24,10 @@ class Progress:
         """``nbytes`` more of them are done."""
 
     def say(self, message: str) -> None:
-        """A progress line: a finished layer."""
+        """A progress line."""
+
+    def step(self, what: str, done: int, total: int, note: str = "") -> None:
+        """``done`` of ``total`` units of ``what`` (layers) are finished; ``note``: how the last went."""
 
     def note(self, message: str) -> None:
         """A choice the plan made that the user did not ask for."""
@@ -41,13 +44,15 @@ class CalibrationInputs:
 
 def quantize_checkpoint(model: str, out: Path, options: QuantizeOptions, overwrite: bool = False,
                         calibration: CalibrationInputs = CalibrationInputs(),
-                        progress: Progress = Progress(), ranks: Ranks = SINGLE) -> tuple[QuantizationPlan, dict | None]:
+                        progress: Progress = Progress(), ranks: Ranks = SINGLE,
+                        base_model: str | None = None) -> tuple[QuantizationPlan, dict | None]:
     """Quantize ``model`` (a folder or a Hub repo id) into ``out``. Returns the plan and the report
     (None on a rank other than 0 of a distributed calibrated run, which writes no output).
 
     An interrupted calibrated run keeps its finished layers for ``resume``; the exception then
-    carries ``int4q_kept``, a sentence saying where they are."""
-    from .hub import resolve_model_dir
+    carries ``int4q_kept``, a sentence saying where they are. ``base_model`` names the source's Hub
+    id for the model card when neither ``model`` nor its config says it."""
+    from .hub import base_model_id, resolve_model_dir
     from .outdir import check_free_space, check_output_target
 
     calibrated = options.method in CALIBRATED_METHODS
@@ -58,7 +63,8 @@ def quantize_checkpoint(model: str, out: Path, options: QuantizeOptions, overwri
     inputs = [model_dir] + ([calibration.text_file] if calibration.text_file else [])
     if ranks.is_main:
         check_output_target(out, overwrite, inputs)
-    plan = dataclasses.replace(plan_quantization(model_dir, options), source_name=model)
+    plan = plan_quantization(model_dir, options)
+    plan = dataclasses.replace(plan, source_name=model, base_model=base_model_id(model, plan.source_config, base_model))
     if ranks.is_main:
         for note in plan.notes:
             progress.note(note)
@@ -92,7 +98,7 @@ def _run_calibrated(plan, model_dir: Path, out: Path, overwrite: bool, inputs: l
     try:
         with atomic_output_dir(out, overwrite, keep_partial=True, resume=calibration.resume, inputs=inputs) as tmp:
             return run_calibrated(plan, tmp, tokenizer, text, origin, calibration.gptq, resume=calibration.resume,
-                                  progress=progress.say, ranks=ranks)
+                                  progress=progress.say, ranks=ranks, step=progress.step)
     except BaseException as e:
         if partial_dir(out).exists():
             e.int4q_kept = (f"; the finished layers are kept in {partial_dir(out)}: rerun the same command "

@@ -31,6 +31,7 @@ def build_report(plan: QuantizationPlan, per_tensor: dict[str, dict], shards: li
     model_params = sum(math.prod(i.shape) for n, i in plan.reader.infos.items() if n not in plan.dropped)
     return {
         "source_model": plan.source_name or str(plan.model_dir),
+        "base_model": plan.base_model,
         "quantization_config": plan.qconfig.to_dict(),
         "summary": {
             "tensors_quantized": len(per_tensor),

@@ -10,7 +10,8 @@ from .verify_tensors import check_kernel_layout, check_round_trip
 
 
 def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max_windows: int,
-               greedy_tokens: int, max_kld: float | None, say: Callable[[str], None]) -> dict:
+               greedy_tokens: int, max_kld: float | None, say: Callable[[str], None],
+               step: Callable[..., None] | None = None) -> dict:
     """Structure, then (with ``source``) round trip, kernel layout, end to end. Returns the report:
     ``ok``, ``checks``, ``tensors`` (per-tensor SNR), ``fidelity`` and readable ``summary_lines``."""
     checks: list[CheckResult] = []
@@ -35,7 +36,7 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
         checks.append(check_kernel_layout(info))
         if source is not None and all(c.ok for c in checks):
             checks.append(_end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report,
-                                      numbers, say))
+                                      numbers, say, step or (lambda *a: None)))
     lines = []
     for c in checks:
         label = {"ok": "ok", "failed": "FAILED", "could not run": "COULD NOT RUN"}[c.outcome]
@@ -57,7 +58,8 @@ def verdict(checks: list[CheckResult]) -> str:
     return "PASS" if all(c.ok for c in checks) else "INCOMPLETE"
 
 
-def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say) -> CheckResult:
+def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say,
+                step) -> CheckResult:
     from .evaluation import greedy_agreement, teacher_forced, token_windows
     from .runtime import load_model, load_tokenizer
     from .textdata import load_text
@@ -73,11 +75,11 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     body, origin = load_text(text, "eval")
     windows = token_windows(tokenizer, body, ctx, max_windows)
     say(f"teacher-forced KLD over {len(windows)} windows of {ctx} tokens from {origin} ...")
-    fid = teacher_forced(reference, quantized, windows, progress=lambda i: say(f"  window {i + 1}/{len(windows)}"))
+    fid = teacher_forced(reference, quantized, windows, progress=lambda done, total: step("KLD windows", done, total))
     if greedy_tokens:
         say(f"greedy generation, {greedy_tokens} tokens per prompt ...")
         greedy_agreement(reference, quantized, tokenizer, greedy_tokens, fid,
-                         progress=lambda i: say(f"  prompt {i + 1}"))
+                         progress=lambda done, total: step("greedy prompts", done, total))
     report["fidelity"] = {**fid.as_dict(), "text": origin, "ctx": ctx}
     numbers.append(f"KLD vs source over {fid.tokens_scored} tokens ({origin}, ctx {ctx}): mean {fid.kld_mean:.5f}, "
                    f"p99.9 {fid.kld_p999:.4f}, max {fid.kld_max:.4f}; top-1 agreement {100 * fid.top1_agreement:.2f}%")

@@ -126,6 +126,8 @@ def test_torchrun_with_two_ranks_quantizes_as_well_as_one_and_records_the_world(
     r1, r2 = (json.loads((tmp_path / d / "quantization_report.json").read_text()) for d in ("one", "two"))
     assert (r1["summary"]["world_size"], r2["summary"]["world_size"]) == (1, 2)
     assert r2["summary"]["windows_per_rank"] == [3, 3]
+    assert len(r2["summary"]["calibration_peak_rss_mb_per_rank"]) == 2
+    assert all(mb > 100 for mb in r2["summary"]["calibration_peak_rss_mb_per_rank"])
     assert set(r1["tensors"]) == set(r2["tensors"])
     solved = [name for name, e in r1["tensors"].items() if e["method"] == "gptq"]
     assert len(solved) == 4 * 7 + 1

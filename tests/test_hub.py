@@ -168,3 +168,60 @@ def test_push_real_smollm2_checkpoint(hub, smollm2_g64, tmp_path):
     assert result.exit_code == 0, result.output
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert sha(download(hub, "alice/smollm2-int4-g64", name, tmp_path)) == sha(folder / name)
+
+
+def test_the_card_shows_verify_numbers_beside_the_sources_and_the_plot(folder, tiny_model, tmp_path):
+    import json
+
+    from quantizer.hub import PLOT_NAME, model_card
+
+    verify = CliRunner().invoke(main, ["verify", str(folder), "--reference", str(tiny_model), "--max-windows", "2",
+                                       "--ctx", "64", "--greedy-tokens", "4",
+                                       "--json", str(folder / "verify_report.json"), "--plot", str(folder / PLOT_NAME)])
+    assert verify.exit_code in (0, 1), verify.output
+    fid = json.loads((folder / "verify_report.json").read_text())["fidelity"]
+    card = model_card(folder, "alice/tiny-int4")
+    _, front, body = card.split("---", 2)
+    meta = yaml.safe_load(front)
+    assert "base_model" not in meta  # a local source with no Hub id: left out, never a path
+    assert f"| perplexity | {fid['ppl_reference']:.4f} | {fid['ppl_quantized']:.4f} (x{fid['ppl_ratio']:.4f}) |" in body
+    assert f"{fid['kld_mean']:.4f} / {fid['kld_p999']:.4f}" in body
+    assert f"{100 * fid['top1_agreement']:.2f}%" in body
+    assert f"{fid['greedy_matches']}/{fid['greedy_total']}" in body
+    assert f"![Per-tensor SNR and the KLD distribution]({PLOT_NAME})" in body
+    assert "hf download alice/tiny-int4" in body and "huggingface-cli" not in body
+    assert "import quantizer" in body and 'pipeline("text-generation", model="alice/tiny-int4")' in body
+
+
+@pytest.mark.parametrize("named, config, explicit, expected", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", {}, None, "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("models/smollm2-135m-bf16", {"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}, None,
+     "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("models/smollm2-135m-bf16", {}, None, None),
+    ("/abs/path/model", {"_name_or_path": "/abs/path/model"}, None, None),
+    ("models/x", {}, "Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+])
+def test_base_model_is_a_hub_id_or_nothing(named, config, explicit, expected, tmp_path, monkeypatch):
+    from quantizer.hub import base_model_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "smollm2-135m-bf16").mkdir(parents=True)  # a local folder is not a Hub id
+    assert base_model_id(named, config, explicit) == expected
+
+
+def test_a_malformed_base_model_is_refused(tiny_model, tmp_path):
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model), "--out", str(tmp_path / "q"),
+                                       "--base-model", "not a repo"])
+    assert result.exit_code == 1 and "--base-model not a repo: not a Hub id" in result.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def test_the_card_names_the_base_model_the_quantize_run_recorded(tiny_model, tmp_path):
+    from quantizer.hub import model_card
+
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model), "--out", str(out), "--no-progress",
+                                       "--base-model", "alice/tiny-llama"])
+    assert result.exit_code == 0, result.output
+    meta = yaml.safe_load(model_card(out, "alice/tiny-int4").split("---", 2)[1])
+    assert meta["base_model"] == "alice/tiny-llama"

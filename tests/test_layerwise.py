@@ -184,19 +184,24 @@ def test_cli_gptq_with_empty_calibration_file_is_one_line(tiny_model_tok, tmp_pa
 
 
 def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
-    from quantizer.formats.gptq_v1 import dequantize_gptq
+    from quantizer.formats.gptq_v1 import dequantize_gptq, unpack_int32
 
     out = tmp_path / "g"
     result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
                                        "gptq", "--format", "gptq", "--group-size", "64", "--nsamples", "4",
                                        "--seqlen", "64", "--no-progress"])
     assert result.exit_code == 0, result.output
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "gptq" and qc["desc_act"] is False and qc["lm_head"] is True
-    assert qc["checkpoint_format"] == "gptq" and qc["sym"] is False
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    # what transformers/optimum and GPTQModel read: every loader accepts it as it is
+    assert qc["quant_method"] == "gptq" and qc["desc_act"] is False and qc["checkpoint_format"] == "gptq"
+    assert qc["sym"] is True and qc["lm_head"] is False and 0 < qc["damp_percent"] < 1 and qc["bits"] == 4
+    assert config["tie_word_embeddings"] is True  # the bf16 head stays tied to the bf16 table
     reader, source = CheckpointReader(out), CheckpointReader(tiny_model_tok)
-    assert reader.infos["lm_head.qweight"].shape == (128 // 8, 512)
+    assert "lm_head.qweight" not in reader.infos and "lm_head.weight" not in reader.infos
     assert reader.infos["model.embed_tokens.weight"].dtype == torch.bfloat16
+    zeros = unpack_int32(reader.get("model.layers.0.mlp.down_proj.qzeros"))
+    assert bool((zeros == 7).all())  # symmetric: zero point 8, stored as 7 in v1
     m = "model.layers.0.mlp.down_proj"
     w = dequantize_gptq(*(reader.get(f"{m}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")))
     assert w.shape == (128, 256)
@@ -204,6 +209,17 @@ def test_cli_gptq_format_export(tiny_model_tok, tmp_path):
     assert snr > 10
     assert "cpu_int4 checkpoints, not quant_method 'gptq'" in CliRunner().invoke(main, ["bench", str(out)]).stderr
 
+
+
+def test_cli_gptq_export_for_vllm_quantizes_the_head_on_an_asymmetric_grid(tiny_model_tok, tmp_path):
+    out = tmp_path / "g"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
+                                       "gptq", "--format", "gptq", "--group-size", "64", "--nsamples", "4",
+                                       "--seqlen", "64", "--asym", "--head-bits", "4", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["sym"] is False and qc["lm_head"] is True and qc["damp_percent"] == 0.01
+    assert CheckpointReader(out).infos["lm_head.qweight"].shape == (128 // 8, 512)
 
 def test_weighted_round_to_nearest_keeps_the_head_tied_and_verifies(tiny_model_tok, tmp_path):
     out = tmp_path / "w"

@@ -88,10 +88,17 @@ def test_already_quantized_input_is_refused(tmp_path, tiny_model):
 def test_what_the_format_and_method_require_is_applied_with_a_note(tiny_model, tmp_path):
     plain = plan_quantization(tiny_model, QuantizeOptions())
     assert plain.notes == () and plain.tied_output
-    gptq = plan_quantization(tiny_model, QuantizeOptions(method="gptq", checkpoint_format="gptq"))
-    assert "model.embed_tokens" not in gptq.targets and "lm_head" in gptq.targets and not gptq.tied_output
-    assert [n.split(":")[0] for n in gptq.notes] == ["the gptq format has no quantized vocabulary table",
-                                                    "gptq quantizes the head on its own inputs"]
+    gptq = plan_quantization(tiny_model, QuantizeOptions(method="gptq", checkpoint_format="gptq", symmetric=None))
+    assert "model.embed_tokens" not in gptq.targets and "lm_head" not in gptq.targets and gptq.tied_output
+    assert gptq.options.symmetric and gptq.output_config()["quantization_config"]["lm_head"] is False
+    assert [n.split(",")[0].split(":")[0] for n in gptq.notes] == [
+        "the gptq export uses a symmetric grid", "the gptq format has no quantized vocabulary table",
+        "the gptq export keeps lm_head in bf16"]
+    for_vllm = plan_quantization(tiny_model, QuantizeOptions(method="gptq", checkpoint_format="gptq", head_bits=4))
+    assert "lm_head" in for_vllm.targets and not for_vllm.tied_output and not for_vllm.options.symmetric
+    assert for_vllm.output_config()["quantization_config"]["lm_head"] is True
+    assert [n.split(":")[0] for n in for_vllm.notes] == ["the gptq format has no quantized vocabulary table",
+                                                        "gptq quantizes the head on its own inputs"]
     asked = plan_quantization(tiny_model, QuantizeOptions(method="gptq", untie_head=True, keep_embedding=True,
                                                           checkpoint_format="gptq"))
     assert asked.notes == ()
@@ -134,4 +141,4 @@ def test_table_and_head_bits_decide_tying(tiny_model, tmp_path):
     assert plan.qconfig.scheme_for("model.layers.0.mlp.up_proj").kept
     assert "model.layers.0.mlp.up_proj" not in plan.targets
     with pytest.raises(InputError, match="stores 4-bit modules only"):
-        plan_quantization(untied, QuantizeOptions(checkpoint_format="gptq", recipe="table8"))
+        plan_quantization(untied, QuantizeOptions(checkpoint_format="gptq", head_bits=8))

@@ -35,6 +35,8 @@ class CheckpointFormat(Protocol):
     read_by: str  # the runtimes that load it
     marker: str  # the suffix of the tensor that marks a module as quantized
     bits: tuple[int, ...]  # the module precisions it can store (16, kept, is always possible)
+    default_symmetric: bool  # the grid a run gets without --sym/--asym
+    head_kept_by_default: bool  # whether the head stays bf16 without --head-bits (its loaders' reach)
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         """The tensors (names, dtypes, shapes) that ``tensors`` returns for a [N, K] weight."""
@@ -42,8 +44,9 @@ class CheckpointFormat(Protocol):
     def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight, by full name."""
 
-    def quantization_config(self, qconfig) -> dict:
-        """The ``quantization_config`` written to config.json for a run with this QuantizationConfig."""
+    def quantization_config(self, qconfig, head_quantized: bool) -> dict:
+        """The ``quantization_config`` written to config.json for a run with this QuantizationConfig
+        (``head_quantized``: whether the output head is stored quantized)."""
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
         """What is wrong with one module's tensors (name -> TensorInfo): missing, dtype, shape."""

@@ -27,6 +27,7 @@ SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 class CpuInt4Format:
     name = quant_method = title = "cpu_int4"
     integer_zero, quantizes_embedding, marker = False, True, "weight_packed"
+    default_symmetric, head_kept_by_default = False, False
     bits = (4, 8)
     description = "cpu_int4 (uint8 nibbles, bf16 scale and zero per group)"
     read_by = "int4q's runtime and vLLM's cpu_int4 reader"
@@ -48,7 +49,7 @@ class CpuInt4Format:
             values = (pack_nibbles(quantized.codes), quantized.scale, quantized.zero)
         return {f"{module}.{suffix}": t for suffix, t in zip(SUFFIXES, values)}
 
-    def quantization_config(self, qconfig) -> dict:
+    def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         return qconfig.to_dict()
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:

@@ -66,11 +66,24 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.t().contiguous()
 
 
-def gptq_quantization_config(group_size: int, symmetric: bool) -> dict:
+DEFAULT_DAMP = 0.01  # what the loaders' configs expect when no GPTQ solve set it (round-to-nearest)
+
+
+def gptq_quantization_config(group_size: int, symmetric: bool, lm_head: bool = False,
+                             damp: float = DEFAULT_DAMP) -> dict:
+    """The config GPTQ loaders read: transformers/optimum and GPTQModel validate ``damp_percent``
+    as a number in (0, 1) and ``lm_head`` says whether the head is stored quantized."""
     return {
         "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
-        "lm_head": True, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": None,
+        "lm_head": lm_head, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": damp,
+        "static_groups": False, "meta": {"quantizer": [f"int4q:{_version()}"]},
     }
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -80,6 +93,10 @@ class GptqV1Format:
     name = quant_method = "gptq"
     title, description = "GPTQ", "GPTQ v1 (qweight/qzeros/scales/g_idx)"
     integer_zero, quantizes_embedding, marker = True, False, "qweight"
+    # GPTQModel loads an asymmetric v1 checkpoint only from its own quantizer; transformers'
+    # GPTQ route (optimum) swaps only the linears under model.layers, so a quantized head would
+    # be dropped there. The defaults open in every loader; --asym and --head-bits 4 are for vLLM.
+    default_symmetric, head_kept_by_default = True, True
     bits = (4,)
     read_by = "vLLM and GPTQ loaders"
 
@@ -94,8 +111,9 @@ class GptqV1Format:
     def tensors(self, module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
         return gptq_tensors(module, gq)
 
-    def quantization_config(self, qconfig) -> dict:
-        return gptq_quantization_config(qconfig.group_size, qconfig.symmetric)
+    def quantization_config(self, qconfig, head_quantized: bool) -> dict:
+        damp = (qconfig.calibration or {}).get("damp") or DEFAULT_DAMP
+        return gptq_quantization_config(qconfig.group_size, qconfig.symmetric, head_quantized, damp)
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
         if scheme.bits not in self.bits:

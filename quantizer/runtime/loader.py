@@ -17,7 +17,7 @@ from ..memory import release_free_memory
 from ..structure import build_empty_model, tie_word_embeddings
 from .fusion import fuse_projections
 from .int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
-from .modules import Int4Linear, quantize_embedding_module, set_module, tied_head
+from .modules import Int4Linear, Int4Lookup, quantize_embedding_module, set_module, tied_head
 
 log = logging.getLogger(__name__)
 FORMAT = cpu_int4.FORMAT
@@ -34,7 +34,8 @@ def read_quantization_config(config: dict) -> QuantizationConfig | None:
     return QuantizationConfig.from_dict(qc)
 
 
-def _quantized_modules(reader: CheckpointReader) -> list[str]:
+def quantized_module_names(reader: CheckpointReader) -> list[str]:
+    """The modules the checkpoint holds packed tensors for."""
     marker = "." + FORMAT.marker
     return sorted(n.removesuffix(marker) for n in reader.infos if n.endswith(marker))
 
@@ -52,26 +53,13 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     qc = read_quantization_config(config)
     reader = CheckpointReader(path)
     model = build_empty_model(config)
-    modules = dict(model.named_modules())
-    emb = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    emb_name = next(n for n, m in modules.items() if m is emb)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = tie_word_embeddings(config) and head is not None
-    quantized = _quantized_modules(reader)
-    for name in quantized:
-        _install(model, name, modules.get(name), emb, reader, qc, tied)
-    if tied and emb_name in quantized:
-        head_name = next(n for n, m in modules.items() if m is head)
-        bits = 8 if isinstance(emb, Int8Lookup) else 4
-        share = int8_tied_head if bits == 8 else tied_head
-        set_module(model, head_name, share(emb, **_kernel_options(qc, bits)))
-    quantized_set = set(quantized)
+    quantized_set = install_quantized_modules(model, reader, qc, tied)
     for name, info in reader.infos.items():
-        module_name, _, attr = name.rpartition(".")
-        if module_name in quantized_set and (attr in cpu_int4.SUFFIXES or attr == "bias"):
-            continue
-        _set_tensor(model, name, reader.get(name))
-    if tied and emb_name not in quantized_set:
+        if not is_quantized_tensor(name, quantized_set):
+            _set_tensor(model, name, reader.get(name))
+    if tied and not isinstance(emb, (Int4Lookup, Int8Lookup)):
         head.weight = emb.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
@@ -80,6 +68,31 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
         fuse_projections(model)
     release_free_memory()
     return model
+
+
+def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, qc: QuantizationConfig | None,
+                              tied: bool) -> set[str]:
+    """Put int4/int8 modules, built from ``reader``'s tensors, in place of the quantized linears
+    and table of ``model`` (its other parameters may still be on the meta device); a ``tied``
+    head shares the quantized table. Returns the quantized modules' names."""
+    modules = dict(model.named_modules())
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    emb_name = next(n for n, m in modules.items() if m is emb)
+    quantized = quantized_module_names(reader)
+    for name in quantized:
+        _install(model, name, modules.get(name), emb, reader, qc, tied)
+    if tied and emb_name in quantized:
+        head_name = next(n for n, m in modules.items() if m is head)
+        bits = 8 if isinstance(emb, Int8Lookup) else 4
+        share = int8_tied_head if bits == 8 else tied_head
+        set_module(model, head_name, share(emb, **_kernel_options(qc, bits)))
+    return set(quantized)
+
+
+def is_quantized_tensor(name: str, quantized: set[str]) -> bool:
+    """True for a checkpoint tensor that :func:`install_quantized_modules` already consumed."""
+    module_name, _, attr = name.rpartition(".")
+    return module_name in quantized and (attr in cpu_int4.SUFFIXES or attr == "bias")
 
 
 def _kernel_options(qc: QuantizationConfig, bits: int) -> dict:
