@@ -17,16 +17,18 @@ def _is_terminal() -> bool:
 class Steps:
     """One long step: ``total`` units of ``unit`` named ``label``."""
 
-    def __init__(self, label: str, total: int, unit: str = "step", enabled: bool = True, every: float = 0.0):
+    def __init__(self, label: str, total: int, unit: str = "step", enabled: bool = True, every: float = 0.0,
+                 done: int = 0):
         self.label, self.total, self.unit, self.enabled = label, total, unit, enabled
         self.every = every  # plain lines: only after this fraction of the total more is done
-        self.done, self.started, self.last_shown = 0, time.perf_counter(), 0
+        self.done, self.first, self.started, self.last_shown = done, done, time.perf_counter(), done
         self.bar = None
         if enabled and _is_terminal():
             from tqdm import tqdm
 
             scale = unit == "B"
-            self.bar = tqdm(total=total, desc=label, unit=unit, unit_scale=scale, file=sys.stderr, leave=True)
+            self.bar = tqdm(total=total, initial=done, desc=label, unit=unit, unit_scale=scale, file=sys.stderr,
+                            leave=True)
 
     def update(self, done: int, note: str = "") -> None:
         """``done`` units are finished (a running count); ``note`` says what the last one did."""
@@ -35,7 +37,8 @@ class Steps:
             if note:
                 self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(step)
-        elif self.enabled and (done >= self.total or done - self.last_shown >= self.every * self.total):
+        elif self.enabled and done > self.last_shown and (done >= self.total
+                                                            or done - self.last_shown >= self.every * self.total):
             self.last_shown = done
             click.echo(f"int4q: {self.label} {self._count()}{' ' + note if note else ''} ({self._rate()})", err=True)
 
@@ -46,11 +49,14 @@ class Steps:
 
     def _rate(self) -> str:
         elapsed = time.perf_counter() - self.started
-        if not self.done or elapsed <= 0:
+        if self.done == self.first or elapsed <= 0:
             return "starting"
-        rate = self.done / elapsed
+        rate = (self.done - self.first) / elapsed
         eta = (self.total - self.done) / rate
-        shown = f"{rate / 1e6:.1f} MB/s" if self.unit == "B" else f"{rate:.2f} {self.unit}/s"
+        if self.unit == "B":
+            shown = f"{rate / 1e6:.1f} MB/s"
+        else:
+            shown = f"{rate:.2f} {self.unit}/s" if rate >= 1 else f"{1 / rate:.1f} s/{self.unit}"
         return f"{shown}, ETA {eta:.0f} s"
 
     def close(self) -> None:
@@ -66,9 +72,11 @@ class StepReporter:
         self.enabled, self.unit, self.open = enabled, unit, {}
 
     def __call__(self, label: str, done: int, total: int, note: str = "") -> None:
+        """``done`` of ``total``; the first call for a label starts its clock (call it with the
+        count already done, 0 or a resumed count, before the work starts)."""
         steps = self.open.get(label)
         if steps is None:
-            steps = self.open[label] = Steps(label, total, self.unit, self.enabled)
+            steps = self.open[label] = Steps(label, total, self.unit, self.enabled, done=done)
         steps.update(done, note)
         if done >= total:
             self.open.pop(label).close()

@@ -98,6 +98,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
     if done:
         hidden = calib_state.load_hidden(state_dir, done, ranks)
         say(f"resuming after layer {done}/{len(layers)}")
+    step("layer", done, len(layers), "")  # starts the clock
     for i in range(done, len(layers)):
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"

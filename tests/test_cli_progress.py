@@ -2,6 +2,7 @@
 tqdm bar on one."""
 
 import re
+import time
 
 import quantizer.cli_progress as cli_progress
 from quantizer.cli_progress import StepReporter, Steps
@@ -9,12 +10,21 @@ from quantizer.cli_progress import StepReporter, Steps
 
 def test_off_a_terminal_each_step_is_one_plain_line_with_rate_and_eta(capsys):
     report = StepReporter(unit="layer")
-    for done in range(1, 4):
-        report("layer", done, 3, f"quantized in 0.{done} s")
+    report("layer", 1, 4)  # resumed after one layer: the clock starts here, nothing is printed
+    for done in range(2, 5):
+        time.sleep(0.01)
+        report("layer", done, 4, f"quantized in 0.{done} s")
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 3 and lines[0].startswith("int4q: layer 1/3 quantized in 0.1 s (")
+    assert len(lines) == 3 and lines[0].startswith("int4q: layer 2/4 quantized in 0.2 s (")
     assert all(re.search(r"\(\d+\.\d\d layer/s, ETA \d+ s\)$", line) for line in lines)
     assert lines[-1].endswith("ETA 0 s)") and report.open == {}
+
+
+def test_slow_steps_show_seconds_per_step(capsys):
+    steps = Steps("layer", 3, unit="layer")
+    steps.started -= 120  # as if the first layer took two minutes
+    steps.update(1)
+    assert "(120.0 s/layer, ETA 240 s)" in capsys.readouterr().err
 
 
 def test_byte_counts_print_at_most_one_line_per_tenth(capsys):
