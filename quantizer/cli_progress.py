@@ -10,7 +10,8 @@ import time
 import click
 
 
-def _is_terminal() -> bool:
+def is_terminal() -> bool:
+    """Whether stderr is a terminal: bars there, plain lines elsewhere."""
     return sys.stderr.isatty()
 
 
@@ -23,7 +24,7 @@ class Steps:
         self.every = every  # plain lines: only after this fraction of the total more is done
         self.done, self.first, self.started, self.last_shown = done, done, time.perf_counter(), done
         self.bar = None
-        if enabled and _is_terminal():
+        if enabled and is_terminal():
             from tqdm import tqdm
 
             scale = unit == "B"

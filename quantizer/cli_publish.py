@@ -78,6 +78,7 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
 def push(folder, repo_id, private, revision, commit_message, endpoint, token, dry_run, no_verify):
     """Publish a quantized folder to the Hugging Face Hub in one commit, with a model card."""
     from . import hub
+    from .cli_progress import is_terminal
 
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise click.BadParameter("expected namespace/name", param_hint="--repo-id")
@@ -95,5 +96,5 @@ def push(folder, repo_id, private, revision, commit_message, endpoint, token, dr
     click.echo(f"int4q: pushing {len(files)} files ({sum(f.size for f in files) / 1e6:.1f} MB) to {repo_id}; "
                "unchanged files are skipped", err=True)
     url = hub.push(folder, repo_id, hub.resolve_token(token), endpoint, private, revision, commit_message,
-                   show_bars=sys.stderr.isatty())  # off a terminal, the line above is the progress
+                   show_bars=is_terminal())  # off a terminal, the line above is the progress
     click.echo(url)

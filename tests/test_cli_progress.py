@@ -41,7 +41,7 @@ def test_disabled_progress_prints_nothing(capsys):
 
 
 def test_on_a_terminal_it_is_a_tqdm_bar(capsys, monkeypatch):
-    monkeypatch.setattr(cli_progress, "_is_terminal", lambda: True)
+    monkeypatch.setattr(cli_progress, "is_terminal", lambda: True)
     report = StepReporter(unit="window")
     report("KLD windows", 1, 2)
     report("KLD windows", 2, 2)
