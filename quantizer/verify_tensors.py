@@ -11,7 +11,8 @@ import torch
 from .checkpoint import CheckpointReader, read_config
 from .errors import Int4qError
 from .grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, ErrorStats, dequantize_codes
-from .packing import dequantize_int4pack, scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
+from .packing import scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
+from .runtime.native import dequantize_int4pack
 from .structure import inspect_structure, tie_word_embeddings
 from .verify import FORMAT, CheckResult, StructureInfo
 
@@ -162,8 +163,8 @@ def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
 
 
 def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
-    """Per quantized linear: tinygemm pack + direct dequantization equals the row-major one
-    bit for bit, and the kernel (tinygemm, or the 8-bit GEMV) agrees with the dequantized
+    """Per quantized linear: tinygemm pack + the runtime's direct dequantization (the native kernel
+    where it is available) equals the row-major one bit for bit, and the kernel (tinygemm, or the 8-bit GEMV) agrees with the dequantized
     reference on random inputs."""
     result = CheckResult("kernel layout")
     gen = torch.Generator().manual_seed(seed)

@@ -15,8 +15,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
-# Compiled decode steps go beside the other test caches, not into the user's ~/.cache.
-os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "compiled"))
+# Compiled decode steps and native kernels go beside the other test caches, not into ~/.cache.
+os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "int4q"))
 
 
 @pytest.fixture(autouse=True)

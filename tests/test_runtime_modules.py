@@ -54,7 +54,7 @@ def test_prefill_dequant_off_sends_every_batch_to_tinygemm_without_a_copy(monkey
     gq, tensors = quantized(128, 256, 64)
     layer = Int4Linear.from_row_major(*tensors, group_size=64, prefill_dequant=False)
     calls = []
-    monkeypatch.setattr(modules, "dequantize_int4pack", lambda *a: calls.append(a))
+    monkeypatch.setattr(modules, "dequantize_int4pack", lambda *a, **k: calls.append(a))
     layer(torch.randn(9, 256).to(torch.bfloat16))
     assert calls == [] and layer.packed is None
 
@@ -63,7 +63,7 @@ def test_threshold_picks_the_path(monkeypatch):
     gq, tensors = quantized(128, 256, 64)
     layer = Int4Linear.from_row_major(*tensors, group_size=64, threshold=4)
     real, calls = modules.dequantize_int4pack, []
-    monkeypatch.setattr(modules, "dequantize_int4pack", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(modules, "dequantize_int4pack", lambda *a, **k: calls.append(1) or real(*a, **k))
     layer(torch.randn(3, 256).to(torch.bfloat16))
     assert calls == []
     layer(torch.randn(4, 256).to(torch.bfloat16))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from .fusion import Int4Slice
+from .native import shared_weight_buffer
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder stack is exactly: embed, layers of the shape below, norm, head."""
@@ -166,10 +167,12 @@ class FastDecoder:
         h = self.embed(ids).to(torch.bfloat16)
         cos, sin = self.cos[:, start : start + t], self.sin[:, start : start + t]
         end = start + t
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
-            q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            h = attention_output_and_mlp(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start, self.scale))
+        with shared_weight_buffer():
+            for layer, keys, values in zip(self.layers, self.keys, self.values):
+                q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
+                keys[:, :, start:end] = k
+                values[:, :, start:end] = v
+                h = attention_output_and_mlp(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start,
+                                                              self.scale))
         self.position = end
         return self.head(self.norm(h[:, -1:]))[:, 0]

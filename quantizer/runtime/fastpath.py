@@ -13,11 +13,11 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from .cache import cache_dir, write_atomically
 from .decoder import FastDecoder, decode_step, unsupported_reason
 from .modules import Int4Linear
 
@@ -31,13 +31,6 @@ INDUCTOR_OPTIONS = {
     "cpp_wrapper": True,
 }
 _warned: set[str] = set()
-
-
-def cache_dir() -> Path:
-    """``INT4Q_CACHE_DIR``, else ``$XDG_CACHE_HOME/int4q``, else ``~/.cache/int4q``."""
-    if os.environ.get("INT4Q_CACHE_DIR"):
-        return Path(os.environ["INT4Q_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "int4q"
 
 
 def artifact_path(model: torch.nn.Module) -> Path:
@@ -108,9 +101,6 @@ def _save_artifacts(path: Path) -> None:
     if not saved:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(saved[0])
-        tmp.replace(path)
+        write_atomically(path, saved[0])
     except OSError as e:
         log.info("cannot save compiled artifacts to %s: %s", path, e)

@@ -1,10 +1,10 @@
 """The int4 linear and the int4 vocabulary lookup.
 
 Decode (fewer rows than ``dequant_threshold``) runs PyTorch's tinygemm kernel on the packed
-weight; prefill dequantizes to bf16 and calls ``F.linear`` (oneDNN). With ``direct_dequant`` the
-prefill path decodes the kernel's own layout, so no second copy of the weight is resident; a
-layer whose N does not tile the 64-channel block, or a CPU whose layout fails the probe, keeps
-a row-major copy instead.
+weight; prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls ``F.linear``
+(oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so no second
+copy of the weight is resident; a layer whose N does not tile the 64-channel block, or a CPU
+whose layout fails the probe, keeps a row-major copy instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from ..grid import dequantize_codes
 from ..packing import (
-    dequantize_int4pack,
     kernel_layout_matches,
     scales_and_zeros,
     supports_direct_dequant,
@@ -24,6 +23,7 @@ from ..packing import (
     unpack_nibbles,
     TINYGEMM_N_BLOCK,
 )
+from .native import dequantize_int4pack
 
 log = logging.getLogger(__name__)
 _warned_layout = False
@@ -46,7 +46,7 @@ def _(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
 def _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
     if x.shape[0] >= threshold:
         if direct:
-            return F.linear(x, dequantize_int4pack(int4pack, sz, group_size))
+            return F.linear(x, dequantize_int4pack(int4pack, sz, group_size, transient=True))
         if packed is not None:
             return F.linear(x, dequantize_codes(unpack_nibbles(packed), scale, zero))
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)

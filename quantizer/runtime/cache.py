@@ -1,0 +1,39 @@
+"""Where the runtime keeps what it builds once per machine (compiled decode steps, the native
+prefill kernel), and how it writes there without ever leaving a half-written file."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``INT4Q_CACHE_DIR``, else ``$XDG_CACHE_HOME/int4q``, else ``~/.cache/int4q``."""
+    if os.environ.get("INT4Q_CACHE_DIR"):
+        return Path(os.environ["INT4Q_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "int4q"
+
+
+def temporary_sibling(path: Path) -> Path:
+    """A name beside ``path`` that no other process writes to; rename it onto ``path`` when done."""
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` entirely or is untouched (concurrent writers: the last one wins)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def machine_identity() -> str:
+    """The machine and, on Linux, its instruction-set flags: what natively compiled code depends on."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags.strip()}"
