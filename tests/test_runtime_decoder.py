@@ -7,6 +7,7 @@ import torch
 
 from quantizer.runtime import load_model, load_tokenizer
 from quantizer.runtime import fastpath
+from quantizer.runtime.cache import cache_dir
 from quantizer.runtime.decoder import FastDecoder, unsupported_reason
 from quantizer.runtime.generation import (
     GenerationStats, encode_prompt, eos_token_ids, fast_greedy, generate_text, greedy_ids,
@@ -90,41 +91,70 @@ def test_unsupported_model_falls_back_to_generate_with_one_warning(tmp_path, cap
 
 
 def test_compile_failure_decodes_eagerly_after_one_warning(tiny_model, monkeypatch, caplog, tmp_path):
-    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
 
-    def broken(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("no C++ compiler")
-        return run
+    def broken(decoder):
+        raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(torch, "compile", broken)
-    fastpath._compiled_step.cache_clear()
+    monkeypatch.setattr(fastpath, "_aot_compile", broken)
     with caplog.at_level(logging.WARNING):
         decoder = fastpath.open_decoder(load_model(tiny_model), 16)
-    fastpath._compiled_step.cache_clear()
     assert decoder.compiled is None and decoder.position == 0
-    assert [r.message for r in caplog.records if "torch.compile failed" in r.message]
+    assert [r.message for r in caplog.records if "torch.compile failed (RuntimeError: no C++ compiler)" in r.message]
     assert decoder.forward(torch.tensor([[1]])).shape == (1, 512)
+    assert not list(tmp_path.rglob("*.aot"))
 
 
-def test_compiled_greedy_equals_eager_and_artifacts_are_saved_once(tiny_model, monkeypatch, tmp_path):
-    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+def test_compiled_greedy_equals_eager_and_a_saved_step_loads_without_compiling(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
     model = load_model(tiny_model)
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(4))
     compiled = fastpath.open_decoder(model, 40)
     assert compiled.compiled is not None
-    saved = list(tmp_path.rglob("*.bin"))
+    saved = list(tmp_path.rglob("*.aot"))
     assert len(saved) == 1 and saved[0] == fastpath.artifact_path(model)
+    assert list((cache_dir() / "inductor").iterdir())  # the step's C++ is kept with int4q's cache, not in /tmp
     eager = fastpath.open_decoder(model, 40, compile=False)
     assert list(fast_greedy(compiled, ids, 24, set())) == list(fast_greedy(eager, ids, 24, set()))
-    saved[0].write_bytes(b"truncated")  # a damaged artifact costs a compile, never a failure
-    assert fastpath.open_decoder(model, 40).compiled is not None
+
+    fastpath._steps.clear()  # as a new process would
+    monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
+    loaded = fastpath.open_decoder(load_model(tiny_model), 40)
+    assert list(fast_greedy(loaded, ids, 24, set())) == list(fast_greedy(eager, ids, 24, set()))
 
 
-def test_fast_greedy_equals_todays_generate_on_the_verify_prompts(smollm2_g64, monkeypatch, tmp_path):
+def test_a_damaged_or_wrong_saved_step_costs_a_compile_never_a_failure(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
+    model = load_model(tiny_model)
+    fastpath.open_decoder(model, 16)
+    artifact = fastpath.artifact_path(model)
+    fastpath._steps.clear()
+    artifact.write_bytes(b"truncated")
+    assert fastpath.open_decoder(model, 16).compiled is not None
+    vocab = model.config.vocab_size
+
+    def wrong(*args):  # loads, but computes something else
+        return torch.zeros(1, vocab)
+
+    fastpath._steps[artifact] = wrong
+    decoder = fastpath.open_decoder(model, 16)
+    assert decoder.compiled is not None and decoder.compiled is not wrong
+    ids = torch.tensor([[5, 6]])
+    eager = fastpath.open_decoder(model, 16, compile=False)
+    assert list(fast_greedy(decoder, ids, 8, set())) == list(fast_greedy(eager, ids, 8, set()))
+
+
+def test_the_cache_key_covers_the_module_structure(tiny_model, tmp_path):
+    quantized = quantize_to(tiny_model, tmp_path / "q")
+    fused, unfused = load_model(quantized), load_model(quantized, fuse=False)
+    assert fused.config.to_dict() == unfused.config.to_dict()
+    assert fastpath.artifact_path(fused) != fastpath.artifact_path(unfused)
+
+
+def test_fast_greedy_equals_todays_generate_on_the_verify_prompts(smollm2_g64):
     from quantizer.evaluation import GREEDY_PROMPTS
 
-    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    # The suite's cache: the CLI tests reuse this compiled step instead of compiling their own.
     model, tokenizer = load_model(smollm2_g64), load_tokenizer(smollm2_g64)
     unfused = load_model(smollm2_g64, fuse=False)
     decoder = fastpath.open_decoder(model, 160)
@@ -143,7 +173,7 @@ def test_generation_stats_count_tokens(tiny_model):
 
 
 def test_two_models_in_one_process_each_get_their_own_graph(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
     ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(5))
     for options in ({"group_size": 64}, {"group_size": 32}, None):  # other scale shapes, then bf16
         path = quantize_to(tiny_model, tmp_path / f"q{len(list(tmp_path.iterdir()))}", **options) if options else tiny_model

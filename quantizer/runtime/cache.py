@@ -1,5 +1,5 @@
 """Where the runtime keeps what it builds once per machine (compiled decode steps, the native
-prefill kernel), and how it writes there without ever leaving a half-written file."""
+prefill kernel), and what such builds depend on."""
 
 from __future__ import annotations
 
@@ -18,14 +18,6 @@ def cache_dir() -> Path:
 def temporary_sibling(path: Path) -> Path:
     """A name beside ``path`` that no other process writes to; rename it onto ``path`` when done."""
     return path.with_name(f"{path.name}.tmp{os.getpid()}")
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` entirely or is untouched (concurrent writers: the last one wins)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(path)
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def machine_identity() -> str:

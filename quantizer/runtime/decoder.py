@@ -150,6 +150,12 @@ class FastDecoder:
             torch._dynamo.mark_dynamic(t, 2)
         return views
 
+    def step_arguments(self, token: torch.Tensor, start: int) -> tuple:
+        """:func:`decode_step`'s arguments for ``token`` [1, 1] at position ``start`` (> 0)."""
+        keys, values = self._views(start + 1)
+        return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
+                self.cos, self.sin, self.rope, self.scale)
+
     def reset(self) -> None:
         self.position = 0
 
@@ -159,9 +165,7 @@ class FastDecoder:
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
         if t == 1 and start and self.compiled is not None:
-            keys, values = self._views(start + 1)
-            logits = self.compiled(self.layers, self.embed, self.norm, self.head, ids, torch.tensor([start]),
-                                   keys, values, self.cos, self.sin, self.rope, self.scale)
+            logits = self.compiled(*self.step_arguments(ids, start))
             self.position += 1
             return logits
         h = self.embed(ids).to(torch.bfloat16)

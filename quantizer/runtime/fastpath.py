@@ -1,15 +1,21 @@
 """Choosing and compiling the decode path.
 
-:func:`open_decoder` returns a :class:`FastDecoder` whose single-token steps are compiled with
-``torch.compile`` (Inductor told to round like eager, so greedy tokens stay identical), or None
-when the model needs transformers' own ``generate``. Compiled artifacts are saved per model,
-torch version and thread count under the int4q cache folder, so only the first run compiles.
-Where compilation fails, decoding continues eagerly after one warning.
+:func:`open_decoder` returns a :class:`FastDecoder` whose single-token steps run one
+ahead-of-time compiled graph (``torch.compile(...).aot_compile``; Inductor told to round like
+eager, so greedy tokens stay identical), or None when the model needs transformers' own
+``generate``.
+
+The compiled step is saved per model, int4q runtime source, torch and transformers version,
+thread count and machine under the int4q cache folder, with the C++ Inductor built for it, so
+a later run loads it without tracing or compiling anything. Its guards are not evaluated per
+token (that check cost as much as a fifth of a step): the cache key stands for them, and each
+step, saved or fresh, must match an eager step before it is used. Where compilation fails,
+decoding continues eagerly after one warning.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import hashlib
 import json
 import logging
@@ -17,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_dir, write_atomically
+from . import decoder as decoder_module
+from .cache import cache_dir, machine_identity
 from .decoder import FastDecoder, decode_step, unsupported_reason
 from .modules import Int4Linear
 
@@ -30,17 +37,36 @@ INDUCTOR_OPTIONS = {
     # a small model's decode step is made of.
     "cpp_wrapper": True,
 }
+TRACED_SOURCES = ("decoder.py", "modules.py", "fusion.py", "int8.py")
+"""The runtime modules whose code the compiled step contains."""
+
+MIN_CACHE = 4
+"""Positions every decoder's cache has at least: the eager check runs a 3-token prompt and a step."""
+
 _warned: set[str] = set()
+_steps: dict[Path, object] = {}  # compiled steps by artifact, shared by decoders of one model
+
+
+class StepMismatch(Exception):
+    """A compiled step's logits differ from the eager step's."""
+
+
+def compiled_dir() -> Path:
+    """Where compiled decode steps are saved (Inductor's code for them: ``cache_dir() / "inductor"``)."""
+    return cache_dir() / "compiled"
 
 
 def artifact_path(model: torch.nn.Module) -> Path:
-    """Where this model's compiled decode step is kept: keyed by everything the code depends on."""
+    """Where this model's compiled decode step is kept: keyed by everything its graph depends on."""
     import transformers
 
+    here = Path(__file__).parent
     key = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "threads": torch.get_num_threads(), "config": model.config.to_dict()}
+           "threads": torch.get_num_threads(), "config": model.config.to_dict(), "modules": repr(model),
+           "machine": machine_identity(),
+           "sources": [hashlib.sha256((here / name).read_bytes()).hexdigest() for name in TRACED_SOURCES]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return cache_dir() / "compiled" / f"{digest}.bin"
+    return compiled_dir() / f"{digest}.aot"
 
 
 def _warn_once(message: str) -> None:
@@ -56,51 +82,95 @@ def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True) -> 
     if reason:
         _warn_once(f"decoding through transformers' generate (slower): {reason}")
         return None
-    decoder = FastDecoder(model, max_len)
+    decoder = FastDecoder(model, max(max_len, MIN_CACHE))
     if compile:
         _compile(decoder, artifact_path(model))
     return decoder
 
 
-def _compile(decoder: FastDecoder, artifacts: Path) -> None:
-    """Compile the decoder's single-token step, from saved artifacts when they exist."""
-    loaded = False
-    if artifacts.is_file():
-        try:
-            torch.compiler.load_cache_artifacts(artifacts.read_bytes())
-            loaded = True
-        except Exception as e:  # a stale or truncated file only costs a fresh compile
-            log.info("ignoring compiled artifacts %s: %s", artifacts, e)
+@torch.inference_mode()
+def _compile(decoder: FastDecoder, artifact: Path) -> None:
+    """Give the decoder its compiled single-token step: the saved one when it loads and matches
+    eager, else a fresh one (then saved); eager decoding after one warning when neither works."""
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
-    decoder.compiled = _compiled_step()
+    with _inductor_cache():
+        if artifact in _steps or artifact.is_file():
+            try:
+                decoder.compiled = _steps.get(artifact) or _load_step(artifact)
+                _check_against_eager(decoder)
+                return
+            except Exception as e:  # a stale, damaged or mismatched file only costs a fresh compile
+                log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
+                _steps.pop(artifact, None)
+                decoder.compiled = None
+        try:
+            decoder.compiled = _aot_compile(decoder)
+            _check_against_eager(decoder)
+        except Exception as e:
+            decoder.compiled = None
+            _warn_once(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                       "decoding eagerly")
+            return
+        _steps[artifact] = decoder.compiled
+        _save_step(decoder.compiled, artifact)
+
+
+def _aot_compile(decoder: FastDecoder):
+    """Trace and compile :func:`decode_step` once for this decoder's model (every position)."""
+    decoder.reset()
+    decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # a cache of length > 1: the length stays dynamic
+    compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+    step = compiled.aot_compile((decoder.step_arguments(torch.zeros(1, 1, dtype=torch.long), 2), {}))
+    decoder.reset()
+    step.disable_guard_check()
+    return step
+
+
+def _load_step(artifact: Path):
+    with open(artifact, "rb") as f:
+        step = torch.compiler.load_compiled_function(f, f_globals=vars(decoder_module))
+    step.disable_guard_check()
+    _steps[artifact] = step
+    return step
+
+
+def _save_step(step, artifact: Path) -> None:
     try:
-        decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # the compiled step runs from position 1 on
-        decoder.forward(torch.zeros(1, 1, dtype=torch.long))
-    except Exception as e:
-        decoder.compiled = None
-        _warn_once(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                   "decoding eagerly")
-        return
+        artifact.parent.mkdir(parents=True, exist_ok=True)
+        step.save_compiled_function(str(artifact))
+    except (OSError, RuntimeError) as e:
+        log.info("cannot save the compiled step to %s: %s", artifact, e)
+
+
+def _check_against_eager(decoder: FastDecoder) -> None:
+    """Raise StepMismatch unless one compiled step picks the eager step's token with logits
+    within bf16 rounding of it. Leaves the decoder reset."""
+    prompt, token = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
+    compiled = decoder.compiled
+    try:
+        results = []
+        for step in (compiled, None):
+            decoder.compiled = step
+            decoder.reset()
+            decoder.forward(prompt)
+            results.append(decoder.forward(token).float())
     finally:
+        decoder.compiled = compiled
         decoder.reset()
-    if not loaded:
-        _save_artifacts(artifacts)
+    fast, eager = results
+    worst = (fast - eager).abs().max().item()
+    if not torch.equal(fast.argmax(-1), eager.argmax(-1)) or worst > 0.02 * eager.abs().max().item() + 1e-3:
+        raise StepMismatch(f"the compiled step's logits differ from eager by up to {worst:.3g}")
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_step():
-    """One compiled decode step per process, shared by every decoder (its graphs are reused
-    wherever the guards hold)."""
-    return torch.compile(decode_step, dynamic=False, options=INDUCTOR_OPTIONS)
-
-
-def _save_artifacts(path: Path) -> None:
-    saved = torch.compiler.save_cache_artifacts()
-    if not saved:
-        return
+def _inductor_cache():
+    """Inductor's generated code and libraries under the int4q cache while the step is compiled
+    or loaded: the default under /tmp does not outlive a reboot, and a saved step whose C++ is
+    gone is rebuilt (about 90 s for SmolLM2)."""
     try:
-        write_atomically(path, saved[0])
-    except OSError as e:
-        log.info("cannot save compiled artifacts to %s: %s", path, e)
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError:
+        return contextlib.nullcontext()
+    return temporary_cache_dir(str(cache_dir() / "inductor"))
