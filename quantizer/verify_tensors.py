@@ -164,8 +164,8 @@ def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
 
 def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
     """Per quantized linear: tinygemm pack + the runtime's direct dequantization (the native kernel
-    where it is available) equals the row-major one bit for bit, and the kernel (tinygemm, or the 8-bit GEMV) agrees with the dequantized
-    reference on random inputs."""
+    where it is available) equals the row-major one bit for bit, and the kernel (tinygemm, or the
+    8-bit GEMV) agrees with the dequantized reference on random inputs."""
     result = CheckResult("kernel layout")
     gen = torch.Generator().manual_seed(seed)
     for module in info.quantized:

@@ -89,7 +89,8 @@ def test_runtime_path_uses_the_kernel_where_it_applies_and_torch_elsewhere(monke
     calls = []
     real = native.kernel()
     assert real is not None, "this machine has a C compiler: the kernel must build"
-    monkeypatch.setattr(real, "dequantize", lambda p, s, g, out=None: calls.append(p) or packing.dequantize_int4pack(p, s, g))
+    monkeypatch.setattr(real, "dequantize",
+                        lambda p, s, g, out=None: calls.append(p) or packing.dequantize_int4pack(p, s, g))
     int4pack, sz, reference = weight(1, 2, 64, seed=2)
     assert torch.equal(native.dequantize_int4pack(int4pack, sz, 64), reference) and len(calls) == 1
     small = packing.to_int4pack(packing.pack_nibbles(torch.zeros(48, 128, dtype=torch.uint8)))

@@ -3,8 +3,9 @@ bit for bit what :func:`quantizer.packing.dequantize_int4pack` computes, about 2
 
 The source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; the
 same one torch.compile needs) for this CPU, kept in the int4q cache and checked against the
-torch reference when it is loaded. Where it cannot be built, loaded or trusted, or with
-``INT4Q_NATIVE=0``, :func:`dequantize_int4pack` uses the torch reference after one warning.
+torch reference when it is loaded. Where it cannot be built, loaded or trusted,
+:func:`dequantize_int4pack` uses the torch reference after one warning (with ``INT4Q_NATIVE=0``,
+without one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import subprocess
 import threading
 from pathlib import Path
@@ -57,9 +59,10 @@ class NativeKernel:
         """bf16 weight [N, K] from int4pack uint8 [N, K/2] (N a multiple of 64) and sz bf16 [G, N, 2],
         written into ``out`` (contiguous bf16 [N, K]) when given."""
         n, half = int4pack.shape
-        if int4pack.dtype != torch.uint8 or sz.dtype != torch.bfloat16 or sz.shape != (half * 2 // group_size, n, 2):
-            raise ValueError(f"expected uint8 [N, K/2] and bf16 [K/group, N, 2], got {int4pack.dtype} "
-                             f"{tuple(int4pack.shape)} and {sz.dtype} {tuple(sz.shape)}")
+        if (not supports(int4pack, group_size) or int4pack.dtype != torch.uint8 or sz.dtype != torch.bfloat16
+                or sz.shape != (half * 2 // group_size, n, 2)):
+            raise ValueError(f"expected uint8 [N, K/2] (N a multiple of 64) and bf16 [K/group, N, 2], got "
+                             f"{int4pack.dtype} {tuple(int4pack.shape)} and {sz.dtype} {tuple(sz.shape)}")
         int4pack, sz = int4pack.contiguous(), sz.contiguous()
         if out is None:
             out = torch.empty(n, half * 2, dtype=torch.bfloat16)
@@ -91,7 +94,7 @@ def build(target: Path, portable: bool = False, cc: str | None = None) -> Path:
     tmp = temporary_sibling(target)
     errors = []
     for flags in FLAG_SETS:
-        command = [cc, "-O3", "-fPIC", "-shared", *flags, *(["-DINT4Q_PORTABLE"] if portable else []),
+        command = [*shlex.split(cc), "-O3", "-fPIC", "-shared", *flags, *(["-DINT4Q_PORTABLE"] if portable else []),
                    str(SOURCE), "-o", str(tmp)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
@@ -181,7 +184,7 @@ def _shared_buffer(numel: int) -> torch.Tensor | None:
 
 def _compiler_identity(cc: str) -> str:
     try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return cc
     return f"{cc} {done.stdout.strip()}"
