@@ -141,18 +141,16 @@ class FastDecoder:
         self.position = 0
         self.compiled = None
 
-    def _views(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each layer's cache over positions 0..length-1, its length dynamic for torch.compile
-        (so one graph serves every position; lengths 0 and 1 would be specialised, hence
-        ``start`` > 0 above)."""
-        views = ([k[:, :, :length] for k in self.keys], [v[:, :, :length] for v in self.values])
-        for t in (*views[0], *views[1]):
-            torch._dynamo.mark_dynamic(t, 2)
-        return views
-
-    def step_arguments(self, token: torch.Tensor, start: int) -> tuple:
-        """:func:`decode_step`'s arguments for ``token`` [1, 1] at position ``start`` (> 0)."""
-        keys, values = self._views(start + 1)
+    def step_arguments(self, token: torch.Tensor, start: int, for_tracing: bool = False) -> tuple:
+        """:func:`decode_step`'s arguments for ``token`` [1, 1] at position ``start`` (> 0): the
+        caches as views over positions 0..start. ``for_tracing`` marks the views' length dynamic
+        for torch.compile, so one graph serves every position (lengths 0 and 1 would be
+        specialised, hence ``start`` > 0)."""
+        keys = [k[:, :, : start + 1] for k in self.keys]
+        values = [v[:, :, : start + 1] for v in self.values]
+        if for_tracing:
+            for t in (*keys, *values):
+                torch._dynamo.mark_dynamic(t, 2)
         return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
                 self.cos, self.sin, self.rope, self.scale)
 

@@ -122,7 +122,8 @@ def _aot_compile(decoder: FastDecoder):
     decoder.reset()
     decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # a cache of length > 1: the length stays dynamic
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
-    step = compiled.aot_compile((decoder.step_arguments(torch.zeros(1, 1, dtype=torch.long), 2), {}))
+    example = decoder.step_arguments(torch.zeros(1, 1, dtype=torch.long), 2, for_tracing=True)
+    step = compiled.aot_compile((example, {}))
     decoder.reset()
     step.disable_guard_check()
     return step
