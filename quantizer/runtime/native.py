@@ -163,8 +163,8 @@ def dequantize_int4pack(int4pack: torch.Tensor, sz: torch.Tensor, group_size: in
 @contextlib.contextmanager
 def shared_weight_buffer():
     """Within (on this thread), transient dequantized weights share one buffer, grown to the largest
-    layer, instead of fresh pages per layer: a prefill touches the weight's size in new memory
-    once, not once per layer. The buffer is freed on exit."""
+    layer, instead of fresh pages per layer: a prefill faults in new memory for its largest layer
+    once, not for every layer. The buffer is freed on exit."""
     previous = getattr(_buffers, "weight", None)
     _buffers.weight = torch.empty(0, dtype=torch.bfloat16)
     try:
