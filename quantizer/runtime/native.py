@@ -81,7 +81,7 @@ def supports(int4pack: torch.Tensor, group_size: int) -> bool:
 
 def library_path(portable: bool = False, cc: str | None = None) -> Path:
     """The cached library for this source, compiler and CPU."""
-    cc = cc or os.environ.get("CC") or "cc"
+    cc = _compiler(cc)
     key = [SOURCE.read_bytes(), _compiler_identity(cc).encode(), machine_identity().encode(), str(portable).encode()]
     digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:20]
     return cache_dir() / "native" / f"int4_dequant-{'portable-' if portable else ''}{digest}.so"
@@ -89,7 +89,7 @@ def library_path(portable: bool = False, cc: str | None = None) -> Path:
 
 def build(target: Path, portable: bool = False, cc: str | None = None) -> Path:
     """Compile the source into ``target`` (atomically) with the first flag set that works."""
-    cc = cc or os.environ.get("CC") or "cc"
+    cc = _compiler(cc)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(target)
     errors = []
@@ -180,6 +180,11 @@ def _shared_buffer(numel: int) -> torch.Tensor | None:
     if buffer.numel() < numel:
         buffer = _buffers.weight = torch.empty(numel, dtype=torch.bfloat16)
     return buffer[:numel]
+
+
+def _compiler(cc: str | None) -> str:
+    """The C compiler command: ``cc`` when given, else ``$CC``, else ``cc``."""
+    return cc or os.environ.get("CC") or "cc"
 
 
 def _compiler_identity(cc: str) -> str:
