@@ -44,7 +44,7 @@ MIN_CACHE = 4
 """Positions every decoder's cache has at least: the eager check runs a 3-token prompt and a step."""
 
 _warned: set[str] = set()
-_steps: dict[Path, object] = {}  # compiled steps by artifact, shared by decoders of one model
+_steps: dict[Path, object] = {}  # checked compiled steps by artifact, shared by decoders of one model
 
 
 class StepMismatch(Exception):
@@ -95,15 +95,18 @@ def _compile(decoder: FastDecoder, artifact: Path) -> None:
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
+    if artifact in _steps:  # checked when this process loaded or compiled it
+        decoder.compiled = _steps[artifact]
+        return
     with _inductor_cache():
-        if artifact in _steps or artifact.is_file():
+        if artifact.is_file():
             try:
-                decoder.compiled = _steps.get(artifact) or _load_step(artifact)
+                decoder.compiled = _load_step(artifact)
                 _check_against_eager(decoder)
+                _steps[artifact] = decoder.compiled
                 return
             except Exception as e:  # a stale, damaged or mismatched file only costs a fresh compile
                 log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
-                _steps.pop(artifact, None)
                 decoder.compiled = None
         try:
             decoder.compiled = _aot_compile(decoder)
@@ -133,7 +136,6 @@ def _load_step(artifact: Path):
     with open(artifact, "rb") as f:
         step = torch.compiler.load_compiled_function(f, f_globals=vars(decoder_module))
     step.disable_guard_check()
-    _steps[artifact] = step
     return step
 
 
