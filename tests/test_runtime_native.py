@@ -12,8 +12,8 @@ from quantizer.runtime.cache import machine_identity
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernel as the runtime builds it for this CPU, and the portable build of the same source."""
-    return {"native": native.load(), "portable": native.load(portable=True)}
+    """Every build of the source: the runtime's for this CPU and the ones that test its other paths."""
+    return {variant: native.load(variant) for variant in native.VARIANTS}
 
 
 @pytest.fixture
@@ -37,22 +37,24 @@ def weight(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int 
     return int4pack, sz, packing.dequantize_int4pack(int4pack, sz, group_size)
 
 
-def test_this_cpu_gets_the_simd_build_and_the_portable_build_is_not(kernels):
-    assert kernels["portable"].simd is False
-    avx512 = "avx512vbmi" in machine_identity()
-    assert kernels["native"].simd is avx512
+def test_each_build_takes_the_vector_path_this_cpu_allows(kernels):
+    flags = machine_identity()
+    avx512 = "avx512vbmi" in flags
+    assert kernels["portable"].simd == 0
+    assert kernels["avx512-exact-tables"].simd == int(avx512)
+    assert kernels["native"].simd == (2 if avx512 and "avx512_bf16" in flags else int(avx512))
 
 
 @settings(max_examples=60, deadline=None)
 @given(blocks=st.integers(1, 3), groups=st.integers(1, 4), group_size=st.sampled_from([16, 32, 64, 128, 256]),
-       seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-120, 100), build=st.sampled_from(["native", "portable"]))
+       seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-120, 100), build=st.sampled_from(sorted(native.VARIANTS)))
 def test_kernel_is_bit_identical_to_the_torch_reference(kernels, blocks, groups, group_size, seed, scale_exp, build):
     int4pack, sz, reference = weight(blocks, groups, group_size, seed, scale_exp)
     got = kernels[build].dequantize(int4pack, sz, group_size)
     assert torch.equal(got.view(torch.int16), reference.view(torch.int16))
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", sorted(native.VARIANTS))
 def test_special_values_round_like_torch(kernels, build):
     int4pack, sz, _ = weight(1, 2, 64, seed=5)
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 3.0e38])

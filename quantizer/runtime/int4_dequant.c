@@ -55,21 +55,6 @@ static void block_group_portable(const uint8_t *src, const uint16_t *sz, uint16_
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) \
     && !defined(INT4Q_PORTABLE)
 #include <immintrin.h>
-#define INT4Q_SIMD 1
-
-/* Per 32 k-rows and 4 channels d: two gathers read the 4 bytes of each row, two byte permutes
- * make them channel-major (32 rows of 2 channels each), and each channel's 32 codes index its
- * table with one vpermw and one 64-byte store. */
-#define EMIT(channels, c, first)                                                                  \
-    do {                                                                                          \
-        const int ch = d4 * 4 + (first) + (c);                                                    \
-        const __m512i low = _mm512_and_si512(channels, nibble);                                   \
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(channels, 4), nibble);            \
-        _mm512_storeu_si512(dst + ch * k + kq, _mm512_permutexvar_epi16(                          \
-            _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(low, c)), tables[ch]));                \
-        _mm512_storeu_si512(dst + (ch + RUN) * k + kq, _mm512_permutexvar_epi16(                  \
-            _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(high, c)), tables[ch + RUN]));         \
-    } while (0)
 
 /* The 16 outputs of each of a block's 64 channels in group g, one vector computation each:
  * fill_tables' arithmetic and rounding, 16 lanes at a time. */
@@ -88,42 +73,109 @@ static void fill_tables_simd(__m256i tables[BLOCK], const uint16_t *sz, int64_t 
     }
 }
 
+#if defined(__AVX512BF16__) && !defined(INT4Q_NO_BF16)
+#define INT4Q_SIMD 2
+/* Whether block b's scales and zeros in group g hold an inf, a NaN, or a nonzero magnitude below
+ * 2^-119. Without those, every table entry is a sum of two multiples of 2^-126: zero or normal,
+ * where vcvtne2ps2bf16 rounds exactly like float_to_bf16 (it differs on NaN payloads and flushes
+ * denormals). */
+static int needs_exact_tables(const uint16_t *sz, int64_t n, int64_t b, int64_t g) {
+    const uint16_t *p = sz + (g * n + b * BLOCK) * 2;
+    const __m512i exponent = _mm512_set1_epi16(0x7F80), magnitude = _mm512_set1_epi16(0x7FFF);
+    const __m512i tiny = _mm512_set1_epi16(8 << 7);
+    __mmask32 special = 0;
+    for (int i = 0; i < 4; i++) {
+        const __m512i w = _mm512_loadu_si512(p + 32 * i);
+        const __m512i e = _mm512_and_si512(w, exponent);
+        special |= _mm512_cmpeq_epi16_mask(e, exponent);
+        special |= _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(w, magnitude), e, tiny);
+    }
+    return special != 0;
+}
+#else
+#define INT4Q_SIMD 1
+static int needs_exact_tables(const uint16_t *sz, int64_t n, int64_t b, int64_t g) {
+    (void)sz, (void)n, (void)b, (void)g;
+    return 1;
+}
+#endif
+
+/* tables[j]: the outputs of channel pair j of the block in group g, channel 2j in words 0-15 and
+ * channel 2j + 1 in words 16-31 (one vpermw table). */
+static void fill_pair_tables(__m512i tables[BLOCK / 2], const uint16_t *sz, int64_t n, int64_t b, int64_t g) {
+    if (needs_exact_tables(sz, n, b, g)) {
+        __m256i narrow[BLOCK];
+        fill_tables_simd(narrow, sz, n, b, g);
+        for (int j = 0; j < BLOCK / 2; j++)
+            tables[j] = _mm512_inserti64x4(_mm512_castsi256_si512(narrow[2 * j]), narrow[2 * j + 1], 1);
+        return;
+    }
+#if INT4Q_SIMD == 2
+    const __m512 steps = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    float params[BLOCK * 2]; /* (scale, zero) per channel, as fp32 */
+    const uint16_t *p = sz + (g * n + b * BLOCK) * 2;
+    for (int i = 0; i < BLOCK * 2 / 16; i++) {
+        const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16 * i)));
+        _mm512_storeu_si512(params + 16 * i, _mm512_slli_epi32(words, 16));
+    }
+    for (int j = 0; j < BLOCK / 2; j++) {
+        const float *c = params + 4 * j;
+        const __m512 first = _mm512_fmadd_ps(steps, _mm512_set1_ps(c[0]), _mm512_set1_ps(c[1]));
+        const __m512 second = _mm512_fmadd_ps(steps, _mm512_set1_ps(c[2]), _mm512_set1_ps(c[3]));
+        tables[j] = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+    }
+#endif
+}
+
+/* Per 32 k-rows and 4 byte columns (channels d..d+3 and d+32..d+35): two gathers read the 4 bytes
+ * of each row and two byte permutes regroup them into two column pairs. Byte p of a pair holds
+ * column 2 * pair + (p % 16) / 8 of row 8 * (p / 16) + p % 8, so unpacklo_epi8 widens the first
+ * column's 32 codes in row order and unpackhi_epi8 the second's; each then indexes its pair table
+ * with one vpermw (the second column's codes offset by 16) and one 64-byte store. */
 static void block_group_simd(const uint8_t *src, const uint16_t *sz, uint16_t *dst,
                              int64_t n, int64_t k, int64_t group_size, int64_t b, int64_t g) {
-    __m256i narrow[BLOCK];
-    __m512i tables[BLOCK]; /* vpermw reads 32 lanes; codes only ever index the first 16 */
-    fill_tables_simd(narrow, sz, n, b, g);
-    for (int ch = 0; ch < BLOCK; ch++) tables[ch] = _mm512_castsi256_si512(narrow[ch]);
-    /* Byte 4j + e of a gather is (row j, channel e); gathers a and b hold rows 0-15 and 16-31.
-     * Channel pair p of a permute: byte 32c + r = channel 2p + c of row r. */
-    uint8_t order[2][64];
-    for (int pair = 0; pair < 2; pair++)
-        for (int c = 0; c < 2; c++)
-            for (int r = 0; r < 32; r++)
-                order[pair][32 * c + r] = (uint8_t)((r < 16 ? 0 : 64) + 4 * (r % 16) + 2 * pair + c);
+    __m512i tables[BLOCK / 2];
+    fill_pair_tables(tables, sz, n, b, g);
+    uint8_t order[2][64], second_column[64];
+    for (int p = 0; p < 64; p++) {
+        const int row = 8 * (p / 16) + p % 8, column = (p % 16) / 8;
+        for (int pair = 0; pair < 2; pair++)
+            order[pair][p] = (uint8_t)((row < 16 ? 0 : 64) + 4 * (row % 16) + 2 * pair + column);
+        second_column[p] = (uint8_t)(16 * column);
+    }
     const __m512i first_pair = _mm512_loadu_si512(order[0]), second_pair = _mm512_loadu_si512(order[1]);
+    const __m512i offset = _mm512_loadu_si512(second_column), zero = _mm512_setzero_si512();
     const __m512i row_offsets = _mm512_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352,
                                                   384, 416, 448, 480);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+#define LOOKUP(codes, table, ch)                                                                       \
+    do {                                                                                               \
+        const __m512i index = _mm512_ternarylogic_epi32(codes, nibble, offset, 0xEA); /* c & 15 | o */ \
+        _mm512_storeu_si512(dst + (ch) * k + kq,                                                       \
+                            _mm512_permutexvar_epi16(_mm512_unpacklo_epi8(index, zero), table));       \
+        _mm512_storeu_si512(dst + ((ch) + 1) * k + kq,                                                 \
+                            _mm512_permutexvar_epi16(_mm512_unpackhi_epi8(index, zero), table));       \
+    } while (0)
     for (int64_t kq = 0; kq < group_size; kq += 32) {
-        for (int d4 = 0; d4 < RUN / 4; d4++) {
-            const uint8_t *at = src + kq * RUN + d4 * 4;
-            const __m512i a = _mm512_i32gather_epi32(row_offsets, (const void *)at, 1);
-            const __m512i b16 = _mm512_i32gather_epi32(row_offsets, (const void *)(at + 16 * RUN), 1);
-            const __m512i pair0 = _mm512_permutex2var_epi8(a, first_pair, b16);
-            const __m512i pair1 = _mm512_permutex2var_epi8(a, second_pair, b16);
-            EMIT(pair0, 0, 0);
-            EMIT(pair0, 1, 0);
-            EMIT(pair1, 0, 2);
-            EMIT(pair1, 1, 2);
+        for (int d = 0; d < RUN; d += 4) {
+            const uint8_t *at = src + kq * RUN + d;
+            const __m512i rows_low = _mm512_i32gather_epi32(row_offsets, (const void *)at, 1);
+            const __m512i rows_high = _mm512_i32gather_epi32(row_offsets, (const void *)(at + 16 * RUN), 1);
+            const __m512i pair0 = _mm512_permutex2var_epi8(rows_low, first_pair, rows_high);
+            const __m512i pair1 = _mm512_permutex2var_epi8(rows_low, second_pair, rows_high);
+            LOOKUP(pair0, tables[d / 2], d);
+            LOOKUP(pair1, tables[d / 2 + 1], d + 2);
+            LOOKUP(_mm512_srli_epi16(pair0, 4), tables[(d + RUN) / 2], d + RUN);
+            LOOKUP(_mm512_srli_epi16(pair1, 4), tables[(d + RUN) / 2 + 1], d + RUN + 2);
         }
     }
+#undef LOOKUP
 }
 #else
 #define INT4Q_SIMD 0
 #endif
 
-/* 1 when this build uses the AVX-512 path, 0 for the portable one. */
+/* 0: the portable build; 1: AVX-512; 2: AVX-512 with bf16 conversions for the tables. */
 int int4q_dequant_simd(void) { return INT4Q_SIMD; }
 
 /* pack, sz and out as above; n % 64 == 0, k % group_size == 0. threads: OpenMP threads to use. */

@@ -1,5 +1,5 @@
 """The prefill dequantization in C (``int4_dequant.c``): the tinygemm layout to a bf16 weight,
-bit for bit what :func:`quantizer.packing.dequantize_int4pack` computes, about 20× faster.
+bit for bit what :func:`quantizer.packing.dequantize_int4pack` computes, tens of times faster.
 
 The source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``; the
 same one torch.compile needs) for this CPU, kept in the int4q cache and checked against the
@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int4_dequant.c")
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 """Tried in order: this CPU's vector units and OpenMP threads, then less."""
+VARIANTS = {"native": (), "avx512-exact-tables": ("-DINT4Q_NO_BF16",), "portable": ("-DINT4Q_PORTABLE",)}
+"""Builds of the source: the runtime uses "native"; the others exist to test every code path of it
+on one machine (no bf16 conversion instructions; no vector path at all)."""
+SIMD_PATHS = ("portable C", "AVX-512", "AVX-512 with bf16 tables")
+"""What ``NativeKernel.simd`` means: an index into this."""
 
 _BUILD_SECONDS = 120
 _buffers = threading.local()
@@ -41,7 +46,7 @@ class NativeUnavailable(Exception):
 
 
 class NativeKernel:
-    """The loaded library. ``simd``: whether it was built with the AVX-512 path."""
+    """The loaded library. ``simd``: which vector path it was built with (see :data:`SIMD_PATHS`)."""
 
     def __init__(self, path: Path):
         try:
@@ -52,7 +57,7 @@ class NativeKernel:
         lib.int4q_dequant_int4pack.restype = None
         self._lib = lib
         self.path = path
-        self.simd = bool(lib.int4q_dequant_simd())
+        self.simd = int(lib.int4q_dequant_simd())
 
     def dequantize(self, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,23 +84,22 @@ def supports(int4pack: torch.Tensor, group_size: int) -> bool:
     return n % packing.TINYGEMM_N_BLOCK == 0 and n > 0 and (half * 2) % group_size == 0
 
 
-def library_path(portable: bool = False, cc: str | None = None) -> Path:
-    """The cached library for this source, compiler and CPU."""
+def library_path(variant: str = "native", cc: str | None = None) -> Path:
+    """The cached library for this source, build variant, compiler and CPU."""
     cc = _compiler(cc)
-    key = [SOURCE.read_bytes(), _compiler_identity(cc).encode(), machine_identity().encode(), str(portable).encode()]
+    key = [SOURCE.read_bytes(), _compiler_identity(cc).encode(), machine_identity().encode(), variant.encode()]
     digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:20]
-    return cache_dir() / "native" / f"int4_dequant-{'portable-' if portable else ''}{digest}.so"
+    return cache_dir() / "native" / f"int4_dequant-{variant}-{digest}.so"
 
 
-def build(target: Path, portable: bool = False, cc: str | None = None) -> Path:
+def build(target: Path, variant: str = "native", cc: str | None = None) -> Path:
     """Compile the source into ``target`` (atomically) with the first flag set that works."""
     cc = _compiler(cc)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(target)
     errors = []
     for flags in FLAG_SETS:
-        command = [*shlex.split(cc), "-O3", "-fPIC", "-shared", *flags, *(["-DINT4Q_PORTABLE"] if portable else []),
-                   str(SOURCE), "-o", str(tmp)]
+        command = [*shlex.split(cc), "-O3", "-fPIC", "-shared", *flags, *VARIANTS[variant], str(SOURCE), "-o", str(tmp)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -107,11 +111,11 @@ def build(target: Path, portable: bool = False, cc: str | None = None) -> Path:
     raise NativeUnavailable(f"{cc} could not compile {SOURCE.name}: {errors[-1]}")
 
 
-def load(portable: bool = False, cc: str | None = None) -> NativeKernel:
+def load(variant: str = "native", cc: str | None = None) -> NativeKernel:
     """The kernel, built first when it is not cached, after a bit-exact check against torch."""
-    path = library_path(portable, cc)
+    path = library_path(variant, cc)
     if not path.is_file():
-        build(path, portable, cc)
+        build(path, variant, cc)
     kernel = NativeKernel(path)
     self_test(kernel)
     return kernel
@@ -125,6 +129,7 @@ def self_test(kernel: NativeKernel) -> None:
     int4pack = packing.to_int4pack(packing.pack_nibbles(codes))
     for group_size in (32, 128):
         scale = torch.randn(n, k // group_size, generator=gen).to(torch.bfloat16)
+        scale[0, 0] = 1e-39  # a denormal: its block and group take the exactly rounded tables
         zero = torch.randn(n, k // group_size, generator=gen).to(torch.bfloat16)
         sz = packing.scales_and_zeros(scale, zero)
         if not torch.equal(kernel.dequantize(int4pack, sz, group_size),
