@@ -56,14 +56,14 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
 def _projections(attn, x):
     q = attn.q_proj
     if isinstance(q, Int4Slice) and q.group is attn.k_proj.group is attn.v_proj.group:
-        return q.group(x).split(q.group.sizes, dim=-1)
+        return q.group(x)
     return q(x), attn.k_proj(x), attn.v_proj(x)
 
 
 def _mlp(mlp, x):
     gate = getattr(mlp, "gate_proj", None)
     if isinstance(gate, Int4Slice) and gate.group is mlp.up_proj.group:
-        g, u = gate.group(x).split(gate.group.sizes, dim=-1)
+        g, u = gate.group(x)
         return mlp.down_proj(mlp.act_fn(g) * u)
     return mlp(x)
 

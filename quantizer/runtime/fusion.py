@@ -1,15 +1,18 @@
 """Fewer, larger kernel calls: sibling int4 linears that read the same input (q/k/v, gate/up)
-become one :class:`Int4Linear` over the concatenated output channels.
+become one :class:`Int4Group` over the concatenated output channels.
 
 Each original module is replaced by an :class:`Int4Slice` of the shared group, so the model's
 own forward code still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``; the group computes
-once per input and hands each member its columns. Output channels are independent dot products,
-so the fused result is bit-identical to the separate ones.
+once per input and hands each member its output. Decode makes one kernel call for the group:
+tinygemm computes each 64-channel block on its own, so a member's bits are its unfused layer's.
+Prefill dequantizes the group's weight once but multiplies each member's rows separately: oneDNN's
+blocking, hence its rounding, can depend on the number of output channels.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..packing import TINYGEMM_N_BLOCK, codes_from_int4pack, pack_nibbles
 from .modules import Int4Linear
@@ -19,47 +22,62 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class Int4Group(torch.nn.Module):
-    """A fused Int4Linear whose output is shared by its members, computed once per input tensor."""
+    """A fused Int4Linear whose members' outputs are computed together, once per input tensor."""
 
     def __init__(self, linear: Int4Linear, sizes: list[int]):
         super().__init__()
         self.linear = linear
         self.sizes = sizes
         self._key = None
-        self._out = None
+        self._outs = None
         self._pending = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's output for ``x`` [..., K], as its unfused layer computes it."""
+        weight = self.linear.prefill_weight(x.numel() // x.shape[-1])
+        if weight is None:
+            return list(self.linear(x).split(self.sizes, dim=-1))
+        x2, bias = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.linear.bias
+        outs, start = [], 0
+        for rows in weight.split(self.sizes):
+            out = F.linear(x2, rows)
+            if bias is not None:
+                out = out + bias[start : start + rows.shape[0]]
+            outs.append(out.reshape(*x.shape[:-1], rows.shape[0]))
+            start += rows.shape[0]
+        return outs
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused output for ``x``; the members after the first reuse it (eager only)."""
+    def shared(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Member ``index``'s output for ``x``; the members after the first reuse it (eager only)."""
         if torch.compiler.is_compiling():
-            return self.linear(x)
+            return self(x)[index]
         key = (x, None if x.is_inference() else x._version)  # inference tensors have no version counter
         if self._pending and self._key[0] is x and self._key[1] == key[1]:
-            out = self._out
+            outs = self._outs
             self._pending -= 1
         else:
-            out = self.linear(x)
+            outs = self(x)
             self._pending = len(self.sizes) - 1
         # Released once every member has read it, so no activation outlives the step.
-        self._key, self._out = (key, out) if self._pending else (None, None)
-        return out
+        self._key, self._outs = (key, outs) if self._pending else (None, None)
+        return outs[index]
 
 
 class Int4Slice(torch.nn.Module):
-    """Output channels [start, stop) of an :class:`Int4Group`; stands where the original linear was."""
+    """Member ``index`` of an :class:`Int4Group`, output channels [start, stop) of the fused layer;
+    stands where the original linear was."""
 
-    def __init__(self, group: Int4Group, start: int, stop: int):
+    def __init__(self, group: Int4Group, index: int):
         super().__init__()
         object.__setattr__(self, "group", group)  # not a child: the parent owns the group
-        self.start, self.stop = start, stop
+        self.index = index
+        self.start = sum(group.sizes[:index])
+        self.stop = self.start + group.sizes[index]
         self.in_features = group.linear.in_features
-        self.out_features = stop - start
+        self.out_features = self.stop - self.start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.shared(x)[..., self.start : self.stop]
+        return self.group.shared(x, self.index)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.group.linear.dequantized_weight()[self.start : self.stop]
@@ -117,9 +135,7 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 continue
             group = Int4Group(fuse_linears(members), [m.out_features for m in members])
             parent.add_module("_".join(names) + "_fused", group)
-            start = 0
-            for name, m in zip(names, members):
-                setattr(parent, name, Int4Slice(group, start, start + m.out_features))
-                start += m.out_features
+            for index, name in enumerate(names):
+                setattr(parent, name, Int4Slice(group, index))
             made += 1
     return made

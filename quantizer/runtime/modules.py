@@ -44,12 +44,20 @@ def _(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
 
 
 def _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, zero):
-    if x.shape[0] >= threshold:
-        if direct:
-            return F.linear(x, dequantize_int4pack(int4pack, sz, group_size, transient=True))
-        if packed is not None:
-            return F.linear(x, dequantize_codes(unpack_nibbles(packed), scale, zero))
+    weight = _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero) if x.shape[0] >= threshold else None
+    if weight is not None:
+        return F.linear(x, weight)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)
+
+
+def _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero) -> torch.Tensor | None:
+    """The bf16 weight [N, K] a prefill GEMM uses (transient: see :func:`.native.dequantize_int4pack`),
+    or None when the layer keeps no copy to dequantize for prefill."""
+    if direct:
+        return dequantize_int4pack(int4pack, sz, group_size, transient=True)
+    if packed is not None:
+        return dequantize_codes(unpack_nibbles(packed), scale, zero)
+    return None
 
 
 def _layout_usable(n: int) -> bool:
@@ -109,6 +117,14 @@ class Int4Linear(torch.nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+    def prefill_weight(self, rows: int) -> torch.Tensor | None:
+        """The transient bf16 weight [N, K] that :meth:`forward` multiplies ``rows`` rows by in eager
+        mode, or None where those rows go through the decode kernel (or torch.compile traces)."""
+        if rows < self.threshold or (self.use_custom_op and torch.compiler.is_compiling()):
+            return None
+        return _prefill_weight(self.int4pack, self.sz, self.group_size, self.direct, self.packed, self.scale,
+                               self.zero)
 
     @property
     def table_key(self) -> torch.Tensor:
