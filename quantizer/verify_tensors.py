@@ -12,6 +12,7 @@ from .checkpoint import CheckpointReader, read_config
 from .errors import Int4qError
 from .grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, ErrorStats, dequantize_codes
 from .packing import scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
+from .runtime.gemv import int4pack_mm
 from .runtime.native import dequantize_int4pack
 from .structure import inspect_structure, tie_word_embeddings
 from .verify import FORMAT, CheckResult, StructureInfo
@@ -188,7 +189,7 @@ def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
             if supports_direct_dequant(n) and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
                 result.fail(f"{module}: direct dequantization from the kernel layout differs from row-major")
             x = torch.randn(1, 2 * half, generator=gen).to(torch.bfloat16)
-            got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group, sz).float()
+            got = int4pack_mm(x, int4pack, sz, group).float()
         want = x.float() @ reference.float().t()
         if (got - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             result.fail(f"{module}: the kernel's GEMV disagrees with the dequantized reference")

@@ -182,3 +182,39 @@ def test_two_models_in_one_process_each_get_their_own_graph(tiny_model, tmp_path
         compiled, eager = fastpath.open_decoder(model, 16), fastpath.open_decoder(model, 16, compile=False)
         assert compiled.compiled is not None
         assert list(fast_greedy(compiled, ids, 8, set())) == list(fast_greedy(eager, ids, 8, set()))
+
+
+@pytest.mark.parametrize("module_path, name", [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"),
+                                               ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm")])
+def test_the_exact_norm_is_each_fast_model_types_rms_norm_bit_for_bit(module_path, name):
+    import importlib
+
+    from quantizer.runtime.decoder import llama_rms_norm
+
+    norm_class = getattr(importlib.import_module(f"transformers.models.{module_path}.modeling_{module_path}"), name)
+    gen = torch.Generator().manual_seed(1)
+    norm = norm_class(576, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=gen).to(torch.bfloat16)
+    h = (torch.randn(4, 7, 576, generator=gen) * 5).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(llama_rms_norm(norm, h, lambda x: x.pow(2).mean(-1, keepdim=True)), norm(h))
+
+
+def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model):
+    from quantizer.runtime import gemv
+
+    if not gemv.has_gemv():
+        pytest.skip("int4q's operators are not loaded on this CPU: the compiled step uses Inductor's reduction")
+    decoder = FastDecoder(load_model(tiny_model), 16)
+    assert fastpath.mark_exact_norms(decoder) == 2 * len(decoder.layers) + 1
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    step = torch.compile(fastpath.decode_step, backend=record, fullgraph=True)
+    with torch.inference_mode():
+        decoder.forward(torch.tensor([[3, 4]]))
+        step(*decoder.step_arguments(torch.tensor([[5]]), 2, for_tracing=True))
+    assert graphs and graphs[0].count("int4q_native.mean_square") == 2 * len(decoder.layers) + 1

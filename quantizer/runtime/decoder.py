@@ -68,14 +68,31 @@ def _mlp(mlp, x):
     return mlp(x)
 
 
+def rms_norm(module, h):
+    """``module(h)``. While torch.compile traces, a norm marked ``exact_mean_square`` (a Llama-style
+    RMSNorm, see :func:`llama_rms_norm`) computes its variance with one opaque operator instead:
+    Inductor's own reduction sums in another order, and an fp32 sum rounded differently now and
+    then flips a bf16 output and, rarely, a greedy token."""
+    if getattr(module, "exact_mean_square", False) and torch.compiler.is_compiling():
+        return llama_rms_norm(module, h, torch.ops.int4q_native.mean_square)
+    return module(h)
+
+
+def llama_rms_norm(module, h, mean_square):
+    """LlamaRMSNorm's forward with ``mean_square(x)`` for ``x.pow(2).mean(-1, keepdim=True)``."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(mean_square(x) + module.variance_epsilon)
+    return module.weight * x.to(h.dtype)
+
+
 def attention_inputs(layer, h, cos, sin, rope):
     """h [1, T, D] -> rotated q [1, H, T, hd], k and v [1, Hkv, T, hd]."""
     attn = layer.self_attn
-    x = layer.input_layernorm(h)
+    x = rms_norm(layer.input_layernorm, h)
     shape = (*h.shape[:-1], -1, attn.head_dim)
     q, k, v = (t.view(shape) for t in _projections(attn, x))
     if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v.transpose(1, 2)
 
@@ -83,7 +100,7 @@ def attention_inputs(layer, h, cos, sin, rope):
 def attention_output_and_mlp(layer, h, attended):
     """The residual stream after the attention output projection and the MLP."""
     h = h + layer.self_attn.o_proj(attended)
-    return h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
+    return h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
 
 
 def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
@@ -109,7 +126,7 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
         layer_keys[:, :, -1:].copy_(k)
         layer_values[:, :, -1:].copy_(v)
         h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
-    return head(norm(h))[:, 0]
+    return head(rms_norm(norm, h))[:, 0]
 
 
 class FastDecoder:

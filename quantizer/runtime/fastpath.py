@@ -25,8 +25,9 @@ import torch
 
 from . import decoder as decoder_module
 from .cache import cache_dir, machine_identity
-from .decoder import FastDecoder, decode_step, unsupported_reason
+from .decoder import FastDecoder, decode_step, llama_rms_norm, unsupported_reason
 from .modules import Int4Linear
+from .gemv import has_gemv
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ INDUCTOR_OPTIONS = {
     # a small model's decode step is made of.
     "cpp_wrapper": True,
 }
-TRACED_SOURCES = ("decoder.py", "modules.py", "fusion.py", "int8.py")
+TRACED_SOURCES = ("decoder.py", "modules.py", "fusion.py", "int8.py", "gemv.py", "native.py")
 """The runtime modules whose code the compiled step contains."""
 
 MIN_CACHE = 4
@@ -63,10 +64,29 @@ def artifact_path(model: torch.nn.Module) -> Path:
     here = Path(__file__).parent
     key = {"torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "config": model.config.to_dict(), "modules": repr(model),
-           "machine": machine_identity(),
+           "machine": machine_identity(), "native_gemv": has_gemv(),
            "sources": [hashlib.sha256((here / name).read_bytes()).hexdigest() for name in TRACED_SOURCES]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return compiled_dir() / f"{digest}.aot"
+
+
+def mark_exact_norms(decoder: FastDecoder) -> int:
+    """Mark the norms whose forward is LlamaRMSNorm's (checked on a seeded input) to take their
+    variance from the opaque ``int4q_native.mean_square`` when compiled (see :func:`.decoder.rms_norm`);
+    only where int4q's operators are loaded. Returns how many were marked."""
+    if not has_gemv():
+        return 0
+    marked, gen = 0, torch.Generator().manual_seed(0)
+    for module in (*decoder.layers.modules(), decoder.norm):
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(module, "variance_epsilon") or weight.dim() != 1:
+            continue
+        h = (torch.randn(1, 3, weight.numel(), generator=gen) * 3).to(torch.bfloat16)
+        with torch.inference_mode():
+            same = torch.equal(module(h), llama_rms_norm(module, h, lambda x: x.pow(2).mean(-1, keepdim=True)))
+        module.exact_mean_square = same
+        marked += same
+    return marked
 
 
 def _warn_once(message: str) -> None:
@@ -95,6 +115,7 @@ def _compile(decoder: FastDecoder, artifact: Path) -> None:
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
+    mark_exact_norms(decoder)
     if artifact in _steps:  # checked when this process loaded or compiled it
         decoder.compiled = _steps[artifact]
         return

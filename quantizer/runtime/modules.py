@@ -23,6 +23,7 @@ from ..packing import (
     unpack_nibbles,
     TINYGEMM_N_BLOCK,
 )
+from .gemv import int4pack_mm
 from .native import dequantize_int4pack
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, 
     weight = _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero) if x.shape[0] >= threshold else None
     if weight is not None:
         return F.linear(x, weight)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)
+    return int4pack_mm(x, int4pack, sz, group_size)
 
 
 def _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero) -> torch.Tensor | None:

@@ -86,29 +86,43 @@ def supports(int4pack: torch.Tensor, group_size: int) -> bool:
 
 def library_path(variant: str = "native", cc: str | None = None) -> Path:
     """The cached library for this source, build variant, compiler and CPU."""
-    cc = _compiler(cc)
-    key = [SOURCE.read_bytes(), _compiler_identity(cc).encode(), machine_identity().encode(), variant.encode()]
+    return cached_library("int4_dequant-" + variant, [SOURCE], _compiler(cc), variant)
+
+
+def cached_library(name: str, sources: list[Path], compiler: str, *extra: str) -> Path:
+    """Where a library built from ``sources`` by ``compiler`` for this CPU is kept (``extra``: more
+    of what its build depends on)."""
+    key = [*(s.read_bytes() for s in sources), _compiler_identity(compiler).encode(), machine_identity().encode(),
+           *(e.encode() for e in extra)]
     digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:20]
-    return cache_dir() / "native" / f"int4_dequant-{variant}-{digest}.so"
+    return cache_dir() / "native" / f"{name}-{digest}.so"
 
 
 def build(target: Path, variant: str = "native", cc: str | None = None) -> Path:
     """Compile the source into ``target`` (atomically) with the first flag set that works."""
     cc = _compiler(cc)
+    return compile_library(target, [SOURCE], lambda flags, out: [
+        *shlex.split(cc), "-O3", "-fPIC", "-shared", *flags, *VARIANTS[variant], str(SOURCE), "-o", out])
+
+
+def compile_library(target: Path, sources: list[Path], command) -> Path:
+    """Run ``command(flags, output)`` for each of :data:`FLAG_SETS` until one compiles; the library
+    appears at ``target`` only when complete. NativeUnavailable names the compiler's first error line."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(target)
     errors = []
     for flags in FLAG_SETS:
-        command = [*shlex.split(cc), "-O3", "-fPIC", "-shared", *flags, *VARIANTS[variant], str(SOURCE), "-o", str(tmp)]
+        argv = command(flags, str(tmp))
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise NativeUnavailable(f"cannot run the C compiler {cc!r} ({e})") from e
+            raise NativeUnavailable(f"cannot run the compiler {argv[0]!r} ({e})") from e
         if done.returncode == 0:
             tmp.replace(target)
             return target
-        errors.append((done.stderr.strip().splitlines() or ["no message"])[0])
-    raise NativeUnavailable(f"{cc} could not compile {SOURCE.name}: {errors[-1]}")
+        errors.append(next((line for line in done.stderr.splitlines() if "error" in line),
+                           (done.stderr.strip().splitlines() or ["no message"])[0]))
+    raise NativeUnavailable(f"{argv[0]} could not compile {' and '.join(s.name for s in sources)}: {errors[-1]}")
 
 
 def load(variant: str = "native", cc: str | None = None) -> NativeKernel:

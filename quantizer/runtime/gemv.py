@@ -1,0 +1,125 @@
+"""The one-row decode matmul: ``torch.ops.int4q_native.gemv`` (``int4_gemv.c`` with the operator
+registration of ``int4_ops.cpp``), about 1.6× PyTorch's tinygemm on the same weights.
+
+It is a PyTorch operator, not a ctypes call, because a compiled decode step calls it 100+ times a
+token: from C++ through the dispatcher it costs a few microseconds, from Python more than it
+saves. The library is compiled on first use with the machine's C++ compiler (``$CXX``, else
+``c++``) against this torch's headers, kept in the int4q cache, and checked against the exact
+product when loaded. Where it cannot be built, loaded or trusted (or the CPU lacks AVX-512 VBMI
+and BF16), decode uses tinygemm: after one warning, or silently where the CPU is the reason or
+``INT4Q_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shlex
+from pathlib import Path
+
+import torch
+
+from .. import packing
+from .cache import machine_identity
+from .native import NativeUnavailable, cached_library, compile_library, supports
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int4_gemv.c", "int4_ops.cpp")]
+CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
+"""The kernel's instructions, as /proc/cpuinfo names them."""
+
+_choice: list[bool] = []  # has_gemv's answer, once decided
+
+
+def library_path(cxx: str | None = None) -> Path:
+    """The cached operator library for these sources, compiler, CPU and torch build."""
+    abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    return cached_library("int4_ops", SOURCES, _compiler(cxx), torch.__version__, abi)
+
+
+def build(target: Path, cxx: str | None = None) -> Path:
+    """Compile the operator library into ``target`` (atomically)."""
+    from torch.utils import cpp_extension
+
+    cxx = _compiler(cxx)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
+    return compile_library(target, SOURCES, lambda flags, out: [
+        *shlex.split(cxx), "-O3", "-fPIC", "-shared", "-std=c++17", "-w", *flags,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
+        "-x", "c", str(SOURCES[0]), "-x", "c++", str(SOURCES[1]), *libraries, "-lc10", "-ltorch_cpu", "-o", out])
+
+
+def load(cxx: str | None = None) -> bool:
+    """Register the operator (building it first when not cached); whether it can be used here."""
+    if not CPU_FEATURES <= set(machine_identity().split()):
+        return False
+    if not hasattr(torch.ops.int4q_native, "gemv"):  # a namespace registers once per process
+        path = library_path(cxx)
+        if not path.is_file():
+            build(path, cxx)
+        if not ctypes.CDLL(str(path)).int4q_gemv_available():
+            return False
+        torch.ops.load_library(str(path))
+    self_test()
+    return True
+
+
+def self_test() -> None:
+    """Raise NativeUnavailable unless the operator is the exact product up to rounding on a seeded weight."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, group_size = 2 * packing.TINYGEMM_N_BLOCK, 256, 64
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group_size, generator=gen).to(torch.bfloat16)
+    zero = torch.randn(n, k // group_size, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    int4pack, sz = packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
+    if not within_rounding(torch.ops.int4q_native.gemv(x, int4pack, sz, group_size), x, codes, scale, zero):
+        raise NativeUnavailable("int4q_native::gemv is off by more than rounding on this machine")
+
+
+def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    zero: torch.Tensor) -> bool:
+    """Whether a one-row product ``got`` [1, N] is the exact x @ W^T (W from codes [N, K], scale and
+    zero [N, G]) up to its bf16 rounding plus fp32 accumulation error (sums of magnitudes up to
+    136 |x| |scale| per term, see int4_gemv.c)."""
+    group_size = codes.shape[1] // scale.shape[1]
+    s = scale.double().repeat_interleave(group_size, 1)
+    w = (codes.double() - 8) * s + zero.double().repeat_interleave(group_size, 1)
+    exact = x.double() @ w.t()
+    magnitude = x.double().abs() @ (w.abs() + 136 * s.abs()).t()
+    return bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-16).all())
+
+
+@torch.compiler.assume_constant_result
+def has_gemv() -> bool:
+    """Whether this process decodes one row through the operator (a constant to torch.compile)."""
+    if not _choice:
+        _choice.append(_decide())
+    return _choice[0]
+
+
+def _decide() -> bool:
+    if os.environ.get("INT4Q_NATIVE", "1") == "0":
+        return False
+    try:
+        return load()
+    except NativeUnavailable as e:
+        log.warning("decode uses PyTorch's tinygemm (slower): %s. Set CXX to a working C++ compiler, "
+                    "or INT4Q_NATIVE=0 to silence this", e)
+        return False
+
+
+def int4pack_mm(x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x bf16 [M, K] times the weight's transpose -> [M, N], the decode path: the operator for one
+    row where it is available and reads the weight, else tinygemm."""
+    if x.shape[0] == 1 and group_size % 2 == 0 and supports(int4pack, group_size) and has_gemv():
+        return torch.ops.int4q_native.gemv(x, int4pack, sz, group_size)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)
+
+
+def _compiler(cxx: str | None) -> str:
+    """The C++ compiler command: ``cxx`` when given, else ``$CXX``, else ``c++``."""
+    return cxx or os.environ.get("CXX") or "c++"
