@@ -89,6 +89,30 @@ def smollm2_bf16() -> Path:
     return path
 
 
+def kernel_layout_weight(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = 0):
+    """Random codes [64 * blocks, groups * group_size], scale and zero [N, groups] of magnitudes
+    around 2^scale_exp, and their tinygemm layout: (codes, scale, zero, int4pack, sz). Seeded."""
+    from quantizer import packing
+
+    gen = torch.Generator().manual_seed(seed)
+    n, k = blocks * packing.TINYGEMM_N_BLOCK, groups * group_size
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    magnitude = 2.0 ** torch.randint(scale_exp - 12, scale_exp + 4, (n, groups), generator=gen)
+    scale = (torch.randn(n, groups, generator=gen) * magnitude).to(torch.bfloat16)
+    zero = (torch.randn(n, groups, generator=gen) * magnitude * 4).to(torch.bfloat16)
+    return codes, scale, zero, packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
+
+
+def failing_compiler(directory: Path, name: str, *stderr: str) -> Path:
+    """An executable ``directory/name`` that prints ``stderr`` lines and fails, as a broken compiler does."""
+    import stat
+
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + "".join(f"echo '{line}' >&2\n" for line in stderr) + "exit 1\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
 def quantize_to(src: Path, out: Path, **options) -> Path:
     """Round-to-nearest ``src`` into the new folder ``out`` with QuantizeOptions(**options)."""
     from quantizer.planning import QuantizeOptions, plan_quantization

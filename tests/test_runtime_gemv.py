@@ -1,16 +1,16 @@
 """The native one-row decode matmul (int4_gemv.c as torch.ops.int4q_native.gemv, quantizer.runtime.gemv)."""
 
 import logging
-import stat
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from quantizer import packing
 from quantizer.runtime import gemv
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native import NativeUnavailable
+
+from conftest import failing_compiler, kernel_layout_weight
 
 tinygemm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -30,14 +30,10 @@ def fresh_choice(monkeypatch):
 
 def problem(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6):
     """x [1, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
-    gen = torch.Generator().manual_seed(seed)
-    n, k = blocks * packing.TINYGEMM_N_BLOCK, groups * group_size
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    magnitude = 2.0 ** torch.randint(scale_exp - 4, scale_exp + 4, (n, groups), generator=gen)
-    scale = (torch.rand(n, groups, generator=gen) * magnitude).to(torch.bfloat16)
-    zero = (torch.randn(n, groups, generator=gen) * magnitude * 8).to(torch.bfloat16)
+    codes, scale, zero, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = codes.shape[1]
     x = (torch.randn(1, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (1, k), generator=gen)).to(torch.bfloat16)
-    int4pack, sz = packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
     return x, int4pack, sz, (codes, scale, zero)
 
 
@@ -122,9 +118,7 @@ def test_an_operator_that_cannot_load_warns_once_and_decode_uses_tinygemm(fresh_
 
 
 def test_a_failing_compiler_is_named_with_its_error_line(tmp_path):
-    cxx = tmp_path / "c++"
-    cxx.write_text("#!/bin/sh\necho 'warning: noise' >&2\necho 'int4_ops.cpp:1: error: no torch headers' >&2\nexit 1\n")
-    cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+    cxx = failing_compiler(tmp_path, "c++", "warning: noise", "int4_ops.cpp:1: error: no torch headers")
     with pytest.raises(NativeUnavailable, match="could not compile int4_gemv.c and int4_ops.cpp: .*error: no torch headers"):
         gemv.build(tmp_path / "ops.so", cxx=str(cxx))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c++"]  # nothing half-written

@@ -1,5 +1,4 @@
 import logging
-import stat
 
 import pytest
 import torch
@@ -8,6 +7,8 @@ from hypothesis import given, settings, strategies as st
 from quantizer import packing
 from quantizer.runtime import native
 from quantizer.runtime.cache import machine_identity
+
+from conftest import failing_compiler, kernel_layout_weight
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +28,7 @@ def fresh_kernel(monkeypatch, tmp_path):
 
 def weight(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = 0):
     """Kernel-layout tensors of a random [64 * blocks, groups * group_size] weight, and its reference."""
-    gen = torch.Generator().manual_seed(seed)
-    n, k = blocks * packing.TINYGEMM_N_BLOCK, groups * group_size
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    magnitude = 2.0 ** torch.randint(scale_exp - 12, scale_exp + 4, (n, groups), generator=gen)
-    scale = (torch.randn(n, groups, generator=gen) * magnitude).to(torch.bfloat16)
-    zero = (torch.randn(n, groups, generator=gen) * magnitude * 4).to(torch.bfloat16)
-    int4pack, sz = packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
+    *_, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
     return int4pack, sz, packing.dequantize_int4pack(int4pack, sz, group_size)
 
 
@@ -111,9 +106,7 @@ def test_a_missing_compiler_warns_once_and_prefill_stays_exact(fresh_kernel, mon
 
 
 def test_a_failing_compiler_is_named_with_its_first_error_line(tmp_path):
-    cc = tmp_path / "cc"
-    cc.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 1\n")
-    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    cc = failing_compiler(tmp_path, "cc", "fatal error: no such header")
     target = tmp_path / "lib.so"
     with pytest.raises(native.NativeUnavailable, match="could not compile int4_dequant.c: fatal error: no such header"):
         native.build(target, cc=str(cc))

@@ -13,7 +13,6 @@ and BF16), decode uses tinygemm: after one warning, or silently where the CPU is
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import shlex
 from pathlib import Path
@@ -22,9 +21,7 @@ import torch
 
 from .. import packing
 from .cache import machine_identity
-from .native import NativeUnavailable, cached_library, compile_library, supports
-
-log = logging.getLogger(__name__)
+from .native import NativeUnavailable, cached_library, compile_library, load_unless_off, supports
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int4_gemv.c", "int4_ops.cpp")]
 CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
@@ -102,14 +99,7 @@ def has_gemv() -> bool:
 
 
 def _decide() -> bool:
-    if os.environ.get("INT4Q_NATIVE", "1") == "0":
-        return False
-    try:
-        return load()
-    except NativeUnavailable as e:
-        log.warning("decode uses PyTorch's tinygemm (slower): %s. Set CXX to a working C++ compiler, "
-                    "or INT4Q_NATIVE=0 to silence this", e)
-        return False
+    return bool(load_unless_off(load, "decode uses PyTorch's tinygemm", "Set CXX to a working C++ compiler"))
 
 
 def int4pack_mm(x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:

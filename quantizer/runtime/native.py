@@ -154,13 +154,18 @@ def self_test(kernel: NativeKernel) -> None:
 @functools.lru_cache(maxsize=None)
 def kernel() -> NativeKernel | None:
     """This process's kernel, or None (after one warning) where it is off or unavailable."""
+    return load_unless_off(load, "prefill dequantizes through torch", "Set CC to a working C compiler")
+
+
+def load_unless_off(load_native, fallback: str, fix: str):
+    """``load_native()``, or None: silently with ``INT4Q_NATIVE=0``, else after one warning line
+    saying what runs instead (``fallback``), why, and ``fix``, where it raises NativeUnavailable."""
     if os.environ.get("INT4Q_NATIVE", "1") == "0":
         return None
     try:
-        return load()
+        return load_native()
     except NativeUnavailable as e:
-        log.warning("prefill dequantizes through torch (slower): %s. Set CC to a working C compiler, "
-                    "or INT4Q_NATIVE=0 to silence this", e)
+        log.warning("%s (slower): %s. %s, or INT4Q_NATIVE=0 to silence this", fallback, e, fix)
         return None
 
 
