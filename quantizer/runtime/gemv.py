@@ -27,13 +27,13 @@ SOURCES = [Path(__file__).with_name(name) for name in ("int4_gemv.c", "int4_ops.
 CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
 
+_ABI = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # the operator library must be built like torch
 _choice: list[bool] = []  # has_gemv's answer, once decided
 
 
 def library_path(cxx: str | None = None) -> Path:
     """The cached operator library for these sources, compiler, CPU and torch build."""
-    abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-    return cached_library("int4_ops", SOURCES, _compiler(cxx), torch.__version__, abi)
+    return cached_library("int4_ops", SOURCES, _compiler(cxx), torch.__version__, str(_ABI))
 
 
 def build(target: Path, cxx: str | None = None) -> Path:
@@ -45,7 +45,7 @@ def build(target: Path, cxx: str | None = None) -> Path:
     libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
     return compile_library(target, SOURCES, lambda flags, out: [
         *shlex.split(cxx), "-O3", "-fPIC", "-shared", "-std=c++17", "-w", *flags,
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
+        f"-D_GLIBCXX_USE_CXX11_ABI={_ABI}", *includes,
         "-x", "c", str(SOURCES[0]), "-x", "c++", str(SOURCES[1]), *libraries, "-lc10", "-ltorch_cpu", "-o", out])
 
 
