@@ -115,7 +115,6 @@ def _compile(decoder: FastDecoder, artifact: Path) -> None:
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
-    mark_exact_norms(decoder)
     if artifact in _steps:  # checked when this process loaded or compiled it
         decoder.compiled = _steps[artifact]
         return
@@ -143,6 +142,7 @@ def _compile(decoder: FastDecoder, artifact: Path) -> None:
 
 def _aot_compile(decoder: FastDecoder):
     """Trace and compile :func:`decode_step` once for this decoder's model (every position)."""
+    mark_exact_norms(decoder)  # only tracing reads the marks: a saved step already holds their effect
     decoder.reset()
     decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # a cache of length > 1: the length stays dynamic
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
