@@ -34,8 +34,6 @@ FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 VARIANTS = {"native": (), "avx512-exact-tables": ("-DINT4Q_NO_BF16",), "portable": ("-DINT4Q_PORTABLE",)}
 """Builds of the source: the runtime uses "native"; the others exist to test every code path of it
 on one machine (no bf16 conversion instructions; no vector path at all)."""
-SIMD_PATHS = ("portable C", "AVX-512", "AVX-512 with bf16 tables")
-"""What ``NativeKernel.simd`` means: an index into this."""
 
 _BUILD_SECONDS = 120
 _buffers = threading.local()
@@ -46,7 +44,8 @@ class NativeUnavailable(Exception):
 
 
 class NativeKernel:
-    """The loaded library. ``simd``: which vector path it was built with (see :data:`SIMD_PATHS`)."""
+    """The loaded library. ``simd``: the vector path it was built with (0 portable C, 1 AVX-512,
+    2 AVX-512 with bf16-rounded tables)."""
 
     def __init__(self, path: Path):
         try:
