@@ -80,18 +80,23 @@ class LlamaCppArm:
         return n / (time.perf_counter() - start)
 
 
-def make_q4_0(source: Path, out: Path) -> Path:
-    """Requantize a GGUF to Q4_0 with llama.cpp's own quantizer (speed arm: same model, Q4_0 blocks)."""
+def make_q4_0(source: Path) -> Path:
+    """Requantize a GGUF to Q4_0 with llama.cpp's own quantizer (speed arm: same model, Q4_0 blocks),
+    kept in the temp folder under a name that says which source and which size it came from."""
     import llama_cpp
 
+    out = Path(tempfile.gettempdir()) / f"int4q-bench-{source.stem}-{source.stat().st_size}.q4_0.gguf"
     if out.is_file():
         return out
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = Q4_0_FTYPE
     params.allow_requantize = True
     params.nthread = torch.get_num_threads()
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+    partial = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+        partial.unlink(missing_ok=True)
         raise SystemExit(f"llama.cpp could not requantize {source}")
+    partial.rename(out)
     return out
 
 
@@ -161,7 +166,7 @@ def main() -> None:
 
     ggufs = [tuple(g.split("=", 1)) for g in args.gguf]
     if args.make_q4_0 and ggufs:
-        ggufs.append(("q4_0", str(make_q4_0(Path(ggufs[0][1]), Path(tempfile.gettempdir()) / "int4q-bench-q4_0.gguf"))))
+        ggufs.append(("q4_0", str(make_q4_0(Path(ggufs[0][1])))))
     if args.int4 or args.bf16:  # one-time imports and allocations are not charged to the first arm
         import_architecture(args.int4[0] if args.int4 else args.bf16)
     arms = [TorchArm(Path(p).name, p, args.pp, args.tg) for p in args.int4]
