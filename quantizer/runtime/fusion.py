@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..packing import TINYGEMM_N_BLOCK, codes_from_int4pack, pack_nibbles
-from .modules import Int4Linear
+from .modules import Int4Linear, with_bias
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Child names that read the same input in the transformers architectures that have them."""
@@ -38,14 +38,8 @@ class Int4Group(torch.nn.Module):
         if weight is None:
             return list(self.linear(x).split(self.sizes, dim=-1))
         x2, bias = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.linear.bias
-        outs, start = [], 0
-        for rows in weight.split(self.sizes):
-            out = F.linear(x2, rows)
-            if bias is not None:
-                out = out + bias[start : start + rows.shape[0]]
-            outs.append(out.reshape(*x.shape[:-1], rows.shape[0]))
-            start += rows.shape[0]
-        return outs
+        biases = [None] * len(self.sizes) if bias is None else bias.split(self.sizes)
+        return [with_bias(F.linear(x2, rows), b, x.shape[:-1]) for rows, b in zip(weight.split(self.sizes), biases)]
 
     def shared(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member ``index``'s output for ``x``; the members after the first reuse it (eager only)."""

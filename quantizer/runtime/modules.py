@@ -1,8 +1,7 @@
 """The int4 linear and the int4 vocabulary lookup.
 
-Decode (fewer rows than ``dequant_threshold``) runs PyTorch's tinygemm kernel on the packed
-weight; prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls ``F.linear``
-(oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so no second
+Decode (fewer rows than ``dequant_threshold``) runs a GEMV on the packed weight (:mod:`.gemv`);
+prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls ``F.linear`` (oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so no second
 copy of the weight is resident; a layer whose N does not tile the 64-channel block, or a CPU
 whose layout fails the probe, keeps a row-major copy instead.
 """
@@ -49,6 +48,14 @@ def _int4_matmul(x, int4pack, sz, group_size, threshold, direct, packed, scale, 
     if weight is not None:
         return F.linear(x, weight)
     return int4pack_mm(x, int4pack, sz, group_size)
+
+
+def with_bias(out: torch.Tensor, bias: torch.Tensor | None, lead_shape) -> torch.Tensor:
+    """``out`` [M, N] plus ``bias`` [N] (a separate bf16 add, rounded as eager rounds it), shaped
+    [*lead_shape, N]."""
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead_shape, out.shape[-1])
 
 
 def _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero) -> torch.Tensor | None:
@@ -115,9 +122,7 @@ class Int4Linear(torch.nn.Module):
             out = int4_linear_op(*args)
         else:  # eager: the op's dispatch would only add overhead
             out = _int4_matmul(*args)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+        return with_bias(out, self.bias, shape[:-1])
 
     def prefill_weight(self, rows: int) -> torch.Tensor | None:
         """The transient bf16 weight [N, K] that :meth:`forward` multiplies ``rows`` rows by in eager
