@@ -1,9 +1,10 @@
 """The int4 linear and the int4 vocabulary lookup.
 
-Decode (fewer rows than ``dequant_threshold``) runs a GEMV on the packed weight (:mod:`.gemv`);
-prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls ``F.linear`` (oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so no second
-copy of the weight is resident; a layer whose N does not tile the 64-channel block, or a CPU
-whose layout fails the probe, keeps a row-major copy instead.
+Decode (fewer rows than ``dequant_threshold``) multiplies the packed weight directly (the kernels
+of :mod:`.gemv`); prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls
+``F.linear`` (oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so
+no second copy of the weight is resident; a layer whose N does not tile the 64-channel block, or a
+CPU whose layout fails the probe, keeps a row-major copy instead.
 """
 
 from __future__ import annotations
