@@ -70,7 +70,8 @@ def main() -> None:
         for arm, fn in arms.items():
             times[arm].append(timed(fn))
     base = times["bf16 linears"]
-    print(f"{len(names)} linears, {args.rows} rows, {args.threads} threads, {args.reps} reps (median ms; ratio = bf16 / arm per rep)")
+    print(f"{len(names)} linears, {args.rows} rows, {args.threads} threads, {args.reps} reps "
+          "(median ms; ratio = bf16 / arm per rep)")
     for arm, ts in times.items():
         ratio = statistics.median(b / t for b, t in zip(base, ts))
         print(f"{arm:<22} {statistics.median(ts) * 1e3:9.1f} ms   {ratio:6.3f}")
