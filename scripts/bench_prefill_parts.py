@@ -5,8 +5,9 @@ dequantization alone. Prints medians and the per-rep ratios.
     python scripts/bench_prefill_parts.py --int4 models/qwen1.5b-g128 --bf16 models/qwen-bf16 \\
         --rows 512 --reps 9 --threads 2
 
-"int4 minus dequantization" against bf16 says whether the GEMMs themselves differ; what is left is
-the cost of producing bf16 weights from 4-bit ones.
+"int4 minus dequantization" is the int4 linears' time less the dequantization timed alone: their
+GEMMs plus the int4 path's Python per layer, and whatever the dequantization costs more inside the
+prefill (colder caches) than alone.
 """
 
 from __future__ import annotations
