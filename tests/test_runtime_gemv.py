@@ -1,5 +1,6 @@
 """The native one-row decode matmul (int4_gemv.c as torch.ops.int4q_native.gemv, quantizer.runtime.gemv)."""
 
+import ctypes
 import logging
 
 import pytest
@@ -128,3 +129,24 @@ def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch
     monkeypatch.setattr(torch.ops.int4q_native, "gemv", lambda x, p, s, g: tinygemm(x, p, g, s) * 1.05)
     with pytest.raises(NativeUnavailable, match="off by more than rounding"):
         gemv.self_test()
+
+
+@settings(max_examples=80, deadline=None)
+@given(width=st.integers(1, 20000), rows=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+       scale_exp=st.integers(-60, 60))
+def test_mean_square_is_eagers_variance_bit_for_bit(operator, width, rows, seed, scale_exp):
+    x = torch.randn(rows, 1, width, generator=torch.Generator().manual_seed(seed)) * 2.0**scale_exp
+    assert torch.equal(torch.ops.int4q_native.mean_square(x), x.pow(2).mean(-1, keepdim=True))
+
+
+def test_mean_square_sums_on_its_own_here_and_by_aten_where_it_cannot(operator):
+    own = ctypes.CDLL(str(gemv.library_path())).int4q_own_mean_square
+    assert own(1) == 1  # the load-time check kept the operator's own summation on this machine
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
+    for odd in (x.t().contiguous().t(), x.to(torch.bfloat16), x.double()):  # not contiguous fp32: ATen's path
+        assert torch.equal(torch.ops.int4q_native.mean_square(odd), odd.pow(2).mean(-1, keepdim=True))
+    try:
+        own(0)
+        assert torch.equal(torch.ops.int4q_native.mean_square(x), x.pow(2).mean(-1, keepdim=True))
+    finally:
+        own(1)

@@ -7,7 +7,8 @@ saves. The library is compiled on first use with the machine's C++ compiler (``$
 ``c++``) against this torch's headers, kept in the int4q cache, and checked against the exact
 product when loaded. Where it cannot be built, loaded or trusted (or the CPU lacks AVX-512 VBMI
 and BF16), decode uses tinygemm: after one warning, or silently where the CPU is the reason or
-``INT4Q_NATIVE=0``.
+``INT4Q_NATIVE=0``. The same library holds ``mean_square``, the compiled step's RMSNorm variance
+(see :func:`mean_square_is_eagers`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def build(target: Path, cxx: str | None = None) -> Path:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
     return compile_library(target, SOURCES, lambda flags, out: [
-        *shlex.split(cxx), "-O3", "-fPIC", "-shared", "-std=c++17", "-w", *flags,
+        *shlex.split(cxx), "-O3", "-fPIC", "-shared", "-std=c++17", "-w", "-ffp-contract=off", *flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={_ABI}", *includes,
         "-x", "c", str(SOURCES[0]), "-x", "c++", str(SOURCES[1]), *libraries, "-lc10", "-ltorch_cpu", "-o", out])
 
@@ -53,14 +54,17 @@ def load(cxx: str | None = None) -> bool:
     """Register the operator (building it first when not cached); whether it can be used here."""
     if not CPU_FEATURES <= set(machine_identity().split()):
         return False
+    path = library_path(cxx)
     if not hasattr(torch.ops.int4q_native, "gemv"):  # a namespace registers once per process
-        path = library_path(cxx)
         if not path.is_file():
             build(path, cxx)
         if not ctypes.CDLL(str(path)).int4q_gemv_available():
             return False
         torch.ops.load_library(str(path))
     self_test()
+    use_own_summation = ctypes.CDLL(str(path)).int4q_own_mean_square
+    use_own_summation(1)
+    use_own_summation(int(mean_square_is_eagers()))
     return True
 
 
@@ -75,6 +79,23 @@ def self_test() -> None:
     int4pack, sz = packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
     if not within_rounding(torch.ops.int4q_native.gemv(x, int4pack, sz, group_size), x, codes, scale, zero):
         raise NativeUnavailable("int4q_native::gemv is off by more than rounding on this machine")
+
+
+MEAN_SQUARE_WIDTHS = (1, 7, 64, 100, 128, 576, 896, 960, 1536, 2048, 2560, 3584, 4096, 5120, 8192, 16384)
+"""Row widths the load-time check covers: every branch of the summation order, hidden sizes of
+common models, and widths whose cascade reaches its second and third levels."""
+
+
+def mean_square_is_eagers() -> bool:
+    """Whether the operator's own summation gives ``x.pow(2).mean(-1, keepdim=True)`` bit for bit
+    here (torch's sum kernel could change with its version or CPU); where not, it uses ATen's."""
+    library = torch.ops.int4q_native
+    gen = torch.Generator().manual_seed(0)
+    for width in MEAN_SQUARE_WIDTHS:
+        x = torch.randn(3, width, generator=gen) * torch.logspace(-3, 3, 3).unsqueeze(1)
+        if not torch.equal(library.mean_square(x), x.pow(2).mean(-1, keepdim=True)):
+            return False
+    return True
 
 
 def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
