@@ -54,17 +54,16 @@ def load(cxx: str | None = None) -> bool:
     """Register the operator (building it first when not cached); whether it can be used here."""
     if not CPU_FEATURES <= set(machine_identity().split()):
         return False
-    path = library_path(cxx)
     if not hasattr(torch.ops.int4q_native, "gemv"):  # a namespace registers once per process
+        path = library_path(cxx)
         if not path.is_file():
             build(path, cxx)
-        if not ctypes.CDLL(str(path)).int4q_gemv_available():
+        library = ctypes.CDLL(str(path))
+        if not library.int4q_gemv_available():
             return False
         torch.ops.load_library(str(path))
+        library.int4q_own_mean_square(int(mean_square_is_eagers()))
     self_test()
-    use_own_summation = ctypes.CDLL(str(path)).int4q_own_mean_square
-    use_own_summation(1)
-    use_own_summation(int(mean_square_is_eagers()))
     return True
 
 
