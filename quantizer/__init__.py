@@ -1,4 +1,9 @@
-"""int4q: 4-bit group-wise checkpoints for CPU inference (the cpu_int4 format)."""
+"""int4q: 4-bit group-wise checkpoints for CPU inference (the cpu_int4 format).
+
+Importing this package imports neither torch nor transformers. ``quantizer.runtime`` loads and
+runs checkpoints; ``import quantizer.integrations.transformers`` registers cpu_int4 with
+transformers' ``from_pretrained``.
+"""
 
 import os
 
@@ -12,10 +17,3 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 __version__ = "0.1.0"
 
-
-def _register_with_transformers() -> None:
-    """Make ``AutoModelForCausalLM.from_pretrained`` load cpu_int4 folders (see hf_quantizer.py)."""
-    from . import hf_quantizer  # noqa: F401  (registration happens at its import)
-
-
-_register_with_transformers()

@@ -11,3 +11,16 @@ class InputError(Int4qError):
 
 class UnsupportedError(Int4qError):
     """A checkpoint asks for something this version cannot do."""
+
+
+class UsageError(InputError):
+    """Options that do not go together, or do not apply here; the CLI exits 2, as for bad usage."""
+
+
+class InterruptedRun(Int4qError):
+    """A run stopped by ``cause`` (an error, a signal, Ctrl-C) after keeping work that a rerun can
+    continue from; ``kept`` says where, as a clause to append to the cause's message."""
+
+    def __init__(self, cause: BaseException, kept: str):
+        super().__init__(f"{cause}{kept}")
+        self.cause, self.kept = cause, kept

@@ -19,8 +19,8 @@ import time
 import torch
 
 from quantizer.runtime import load_model
-from quantizer.runtime.modules import Int4Linear
-from quantizer.runtime.native import dequantize_int4pack, shared_weight_buffer
+from quantizer.runtime.nn.int4 import Int4Linear
+from quantizer.runtime.native.dequant import dequantize_int4pack, shared_weight_buffer
 
 
 def decoder_linears(bf16: torch.nn.Module) -> list[str]:

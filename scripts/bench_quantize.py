@@ -29,10 +29,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from quantizer.checkpoint import CheckpointReader  # noqa: E402
+from quantizer.io.checkpoint import CheckpointReader  # noqa: E402
 from quantizer.memory import proc_status_mb  # noqa: E402
-from quantizer.shards import ShardWriter, TensorSpec  # noqa: E402
-from quantizer.structure import build_empty_model  # noqa: E402
+from quantizer.io.shards import ShardWriter, TensorSpec  # noqa: E402
+from quantizer.io.structure import build_empty_model  # noqa: E402
 
 
 def synthetic_checkpoint(path: Path, target_gb: float) -> Path:

@@ -30,7 +30,7 @@ import torch
 
 from quantizer.runtime import load_model
 from quantizer.runtime.bench import decode_tokens_per_s, describe_path, load_measured, prefill_tokens_per_s
-from quantizer.runtime.fastpath import open_decoder
+from quantizer.runtime.decode.compiled import open_decoder
 from quantizer.runtime.loader import import_architecture
 
 Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
@@ -113,8 +113,8 @@ def read_bandwidth_gbs(gib: float = 1.0) -> float:
 
 def decode_bytes_int4q(path: str) -> int:
     """Bytes one decode step reads: every tensor but an untied vocabulary table (one row is looked up)."""
-    from quantizer.checkpoint import CheckpointReader, read_config
-    from quantizer.structure import inspect_structure, tie_word_embeddings
+    from quantizer.io.checkpoint import CheckpointReader, read_config
+    from quantizer.io.structure import inspect_structure, tie_word_embeddings
 
     config = read_config(Path(path))
     structure = inspect_structure(config)

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from quantizer.checkpoint import CheckpointReader, read_config
-from quantizer.evaluation import teacher_forced, token_windows
+from quantizer.io.checkpoint import CheckpointReader, read_config
+from quantizer.verify.fidelity import teacher_forced, token_windows
 from quantizer.formats.gptq_v1 import SUFFIXES, dequantize_gptq
-from quantizer.runtime import load_model, load_tokenizer
-from quantizer.structure import build_config
-from quantizer.textdata import load_text
+from quantizer.runtime import load_model
+from quantizer.io.tokenizer import load_tokenizer
+from quantizer.io.structure import build_config
+from quantizer.io.text import load_text
 
 PROMPT = "The three primary colours are"
 

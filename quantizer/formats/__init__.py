@@ -16,9 +16,9 @@ from ..errors import UnsupportedError
 if TYPE_CHECKING:
     import torch
 
-    from ..grid import ChannelQuantized, GroupQuantized
-    from ..scheme import ModuleScheme
-    from ..shards import TensorSpec
+    from ..io.shards import TensorSpec
+    from ..methods.grid import ChannelQuantized, GroupQuantized
+    from ..spec.scheme import ModuleScheme
 
 MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1"}  # --format name -> module in this package
 NAMES = tuple(MODULES)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..grid import ChannelQuantized, GroupQuantized
-from ..packing import pack_nibbles
-from ..scheme import ModuleScheme
-from ..shards import TensorSpec
+from ..io.shards import TensorSpec
+from ..methods.grid import ChannelQuantized, GroupQuantized
+from ..spec.scheme import ModuleScheme
+from .packing import pack_nibbles
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..grid import MID, GroupQuantized
-from ..scheme import ModuleScheme
-from ..shards import TensorSpec
+from ..io.shards import TensorSpec
+from ..methods.grid import MID, GroupQuantized
+from ..spec.scheme import ModuleScheme
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 

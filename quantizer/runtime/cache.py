@@ -3,6 +3,8 @@ prefill kernel), and what such builds depend on."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import platform
 from pathlib import Path
@@ -29,3 +31,17 @@ def machine_identity() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {flags.strip()}"
+
+
+SOURCE_SUFFIXES = (".py", ".c", ".cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_source_digest() -> str:
+    """sha256 over every source file of the runtime package (names and bytes): what a compiled
+    decode step's code was generated from."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader, read_config
-from ..config import QuantizationConfig
 from ..errors import InputError, UnsupportedError
 from ..formats import cpu_int4, format_of_config
+from ..io.checkpoint import CheckpointReader, read_config
+from ..io.structure import build_empty_model, tie_word_embeddings
 from ..memory import release_free_memory
-from ..structure import build_empty_model, tie_word_embeddings
-from .fusion import fuse_projections
-from .int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
-from .modules import Int4Linear, Int4Lookup, quantize_embedding_module, set_module, tied_head
+from ..spec.config import QuantizationConfig
+from .nn.fusion import fuse_projections
+from .nn.int4 import Int4Linear, Int4Lookup, quantize_embedding_module, tied_head
+from .nn.int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
+from .nn.swap import set_module
 
 log = logging.getLogger(__name__)
 FORMAT = cpu_int4.FORMAT
@@ -155,12 +156,3 @@ def _set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None
         module._buffers[attr] = tensor
     else:
         log.info("ignoring checkpoint tensor %s: not a parameter of %s", name, type(module).__name__)
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise InputError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,116 @@
+"""The resumable state of a layer-by-layer calibrated run, kept in ``<partial out>/.calibration-state``:
+each finished layer's tensors, the hidden states after the last finished layer, and a
+``state.json`` that says how far the run got under which fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..io.shards import write_safetensors
+from .ranks import SINGLE, Ranks
+
+log = logging.getLogger(__name__)
+STATE_DIR = ".calibration-state"
+
+
+def fingerprint(*parts, files: list[Path] = (), tensors: tuple[torch.Tensor, ...] = ()) -> str:
+    """Identifies a run's inputs and settings (JSON-able ``parts``, the files' sizes and mtimes,
+    the tensors' bytes, the torch version); a partial run resumes only under the same one."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(json.dumps(part, sort_keys=True).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for t in tensors:
+        h.update(t.numpy().tobytes())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
+def hidden_file(state_dir: Path, layers_done: int, ranks: Ranks = SINGLE) -> Path:
+    """This rank's hidden states after the first ``layers_done`` layers: named by that count (and
+    in a distributed run by the rank and world size), so a state can only ever be paired with the
+    activations it was saved with."""
+    suffix = f"-rank{ranks.rank}of{ranks.world_size}" if ranks.distributed else ""
+    return state_dir / f"hidden-{layers_done:05d}{suffix}.safetensors"
+
+
+def layer_file(state_dir: Path, index: int) -> Path:
+    return state_dir / f"layer-{index:05d}.safetensors"
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) -> dict:
+    """The saved progress of an earlier run with the same fingerprint (with ``resume``), else a
+    fresh start. Rank 0 only; each rank then reads its own hidden states with :func:`load_hidden`."""
+    fresh = {"layers_done": 0, "tensors": {}}
+    path = state_dir / "state.json"
+    if not resume or not path.is_file():
+        if resume:
+            log.warning("nothing to resume; starting from the first layer")
+        shutil.rmtree(state_dir, ignore_errors=True)
+        state_dir.mkdir(parents=True)
+        return fresh
+    restart = "rerun without --resume to start over"
+    try:
+        state = json.loads(path.read_text())
+        done = int(state["layers_done"])
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{path} is corrupt; {restart}") from None
+    if state.get("fingerprint") != fp:
+        raise InputError(f"the interrupted run was made with different inputs or settings; {restart}")
+    needed = [layer_file(state_dir, i) for i in range(done)] + ([hidden_file(state_dir, done, ranks)] if done else [])
+    missing = [p.name for p in needed if not p.is_file()]
+    if missing:
+        raise InputError(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
+    return state
+
+
+def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's saved hidden states; every rank raises the same error when any rank lacks its own."""
+    path = hidden_file(state_dir, layers_done, ranks)
+    missing = ranks.sum_(torch.tensor([0.0 if path.is_file() else 1.0]))
+    if missing.item():
+        raise InputError(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
+                         f"their hidden states after layer {layers_done}); resume with the same processes on the "
+                         "same machines, or rerun without --resume to start over")
+    return read_safetensors(path)["hidden"]
+
+
+def save_layer(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_tuple: bool,
+               layer_tensors: dict[str, torch.Tensor] | None, hidden: torch.Tensor, ranks: Ranks = SINGLE) -> None:
+    """Persist one finished layer: rank 0 its tensors, every rank its own hidden states (each file
+    under a name of its own, written to a temporary name and renamed); once all have, rank 0
+    writes the state that says the layer is done; only then the previous hidden states go."""
+    files = [(hidden_file(state_dir, layers_done, ranks), {"hidden": hidden})]
+    if ranks.is_main:
+        files.insert(0, (layer_file(state_dir, layers_done - 1), layer_tensors))
+    for path, tensors in files:
+        _write_atomically(path, tensors)
+    ranks.barrier()
+    if ranks.is_main:
+        tmp = state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fp, "layers_done": layers_done, "tensors": per_tensor,
+                                   "as_tuple": as_tuple}))
+        tmp.replace(state_dir / "state.json")
+    ranks.barrier()
+    hidden_file(state_dir, layers_done - 1, ranks).unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write_safetensors(tmp, tensors)
+    tmp.replace(path)

@@ -1,0 +1,100 @@
+"""The ``int4q`` command group: turns errors into one line and an exit code (1; 2 for bad usage;
+130 when interrupted). Each command lives in the module of its family."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import traceback
+
+import click
+
+from ..errors import Int4qError, InterruptedRun, UsageError
+
+
+class Int4qGroup(click.Group):
+    """Maps library errors to one line on stderr and exit 1; never prints a traceback unless
+    INT4Q_DEBUG=1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BaseException as e:
+            _close_progress_bars()  # so the message starts a line of its own
+            if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit)):
+                raise
+            self._exit_for(e)
+
+    @staticmethod
+    def _exit_for(e: BaseException):
+        kept = ""
+        if isinstance(e, InterruptedRun):
+            e, kept = e.cause, e.kept
+        if isinstance(e, UsageError):
+            raise click.UsageError(str(e) + kept) from None
+        if isinstance(e, Int4qError):
+            raise click.ClickException(_rank_prefix(e) + str(e) + kept) from None
+        if isinstance(e, KeyboardInterrupt):
+            click.echo("int4q: interrupted" + kept, err=True)
+            sys.exit(130)
+        if isinstance(e, MemoryError):
+            raise click.ClickException("out of memory" + kept) from None
+        if isinstance(e, OSError) and e.errno in OS_ERRORS:
+            where = e.filename or "the output"
+            raise click.ClickException(OS_ERRORS[e.errno].format(where=where) + kept) from None
+        # An unexpected failure: still one line, with a way to see more.
+        if os.environ.get("INT4Q_DEBUG") == "1":
+            traceback.print_exc()
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise click.ClickException(
+            f"{_rank_prefix(e)}internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)" + kept
+        ) from None
+
+
+OS_ERRORS = {
+    errno.ENOSPC: "no space left on the device while writing {where}; free space or choose another --out",
+    errno.EDQUOT: "disk quota exceeded while writing {where}; free space or choose another --out",
+    errno.EACCES: "permission denied: {where}; choose a folder you can write to",
+    errno.EPERM: "operation not permitted: {where}; choose a folder you can write to",
+    errno.EROFS: "read-only file system: {where}; choose a writable folder",
+}
+
+
+def _rank_prefix(e: BaseException) -> str:
+    """Under torchrun every rank's error says which rank it is (a lost peer's already does)."""
+    from ..calibrate.ranks import RankLost, in_launcher
+
+    if not in_launcher() or isinstance(e, RankLost):
+        return ""
+    return f"rank {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']}: "
+
+
+def _close_progress_bars() -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+@click.group(cls=Int4qGroup)
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+@click.version_option(package_name="int4q")
+def main(verbose: bool) -> None:
+    """int4q: 4-bit group-wise checkpoints for CPU inference."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="int4q: %(message)s")
+
+
+def _register() -> None:
+    from .publish import push, verify
+    from .quantize import bundled_model, quantize
+    from .runtime import bench, generate
+
+    for command in (quantize, bundled_model, generate, bench, verify, push):
+        main.add_command(command)
+
+
+_register()

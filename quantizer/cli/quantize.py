@@ -1,0 +1,167 @@
+"""``int4q quantize`` and ``int4q bundled-model``: options to a request, the core call, one summary line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from ..formats import NAMES as FORMAT_NAMES
+from ..formats import RUNTIME_FORMAT
+from ..quantize.recipes import RECIPES
+from ..spec.methods import METHODS, NAMES as METHOD_NAMES, UNCALIBRATED
+
+
+def _bits(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@click.command()
+@click.option("--model", "model", required=True, help="bf16/fp16/fp32 model folder or Hub repo id.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output folder.")
+@click.option(
+    "--group-size", default="auto", show_default=True,
+    type=click.Choice(["auto", "32", "64", "128", "256"]),
+    help="Input columns per scale/zero group; auto = largest of 128/64/32 dividing every input dim.",
+)
+@click.option("--method", default=UNCALIBRATED, show_default=True, type=click.Choice(METHOD_NAMES),
+              help="minmax: round-to-nearest on each group's min/max grid; weighted: round-to-nearest on grids "
+                   "chosen by the error weighted by each input column's mean squared activation (calibration "
+                   "text); gptq: GPTQ with calibration text.")
+@click.option("--sym/--asym", "symmetric", default=None,
+              help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.  [default: asym; sym for "
+                   "--format gptq]")
+@click.option("--search", "clip_search", is_flag=True, help="Per-group clipping search minimising squared error.")
+@click.option("--strict-group-size", is_flag=True,
+              help="Fail when --group-size does not divide a tensor's input dim, instead of falling back to "
+                   "the largest smaller group that does (64, then 32; 8-bit when none does).")
+@click.option("--recipe", default="all4", show_default=True, type=click.Choice(list(RECIPES)),
+              help="Per-module precision: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()) + ".")
+@click.option("--embedding-bits", type=click.Choice(["4", "8", "16"]),
+              help="Bits of the vocabulary table (16 keeps it in bf16). Default: the recipe's.")
+@click.option("--head-bits", type=click.Choice(["4", "8", "16"]),
+              help="Bits of the output head. Default: the table's when they are tied, else the recipe's.")
+@click.option("--override", "overrides", multiple=True, metavar="PATTERN=BITS[:GROUP]",
+              help="Bits (and group) for modules named PATTERN or ending in .PATTERN, e.g. down_proj=8, "
+                   "lm_head=4:32, mlp.up_proj=16; repeatable, the last match wins.")
+@click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16 (--embedding-bits 16).")
+@click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
+@click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--base-model", metavar="OWNER/NAME",
+              help="The source's Hub id for the model card, when --model is a local folder whose config "
+                   "does not name it.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress on stderr.")
+@click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="[gptq] Calibration text (plain, or .jsonl with a 'text' field). Default: the calibration "
+                   "half of CPython's pydoc_data.topics (verify evaluates on the other half).")
+@click.option("--nsamples", type=click.IntRange(1, 100_000),
+              help="[gptq, weighted] Calibration windows. Default: " + ", ".join(
+                  f"{m.default_nsamples} for {m.name}" for m in METHODS.values() if m.calibrated) + ".")
+@click.option("--seqlen", default=512, show_default=True, type=click.IntRange(8, 100_000),
+              help="[gptq, weighted] Tokens per calibration window.")
+@click.option("--act-order/--no-act-order", default=True, show_default=True,
+              help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
+@click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="[gptq] Dampening, as a fraction of the mean Hessian diagonal.")
+@click.option("--weighted-grids/--minmax-grids", default=True, show_default=True,
+              help="[gptq] Each group's grid by the search weighted by diag(H) before the solve, or its min/max.")
+@click.option("--seed", default=0, show_default=True, type=int, help="[gptq, weighted] Seed for the calibration windows.")
+@click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="[gptq, weighted] Where the calibration forward passes and solves run. Under torchrun every "
+                   "rank takes a share of the windows (gloo on cpu, NCCL on cuda).")
+@click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,
+              type=click.Choice(FORMAT_NAMES),
+              help="cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
+                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
+def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
+             head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
+             calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
+    """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
+    from ..calibrate.windows import CalibrationSettings
+    from ..io.shards import parse_size
+    from ..memory import peak_rss_mb
+    from ..methods.gptq_method import GptqSettings
+    from ..quantize.planning import QuantizeOptions
+    from ..quantize.recipes import Override
+    from ..quantize.request import QuantizeRequest
+    from ..quantize.run import quantize_checkpoint
+
+    options = QuantizeOptions(
+        group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
+        keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
+        max_shard_bytes=parse_size(max_shard_size), method=method, checkpoint_format=checkpoint_format,
+        recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
+        overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
+    )
+    settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
+    request = QuantizeRequest(model, out, options, overwrite, base_model, calib,
+                              CalibrationSettings(nsamples, seqlen, seed), settings, resume, device)
+    start = time.perf_counter()
+    shown = _ShownProgress(progress)
+    try:
+        report = quantize_checkpoint(request, shown)
+    finally:
+        shown.close()
+    if report is None:
+        return
+    s = report.summary
+    click.echo(
+        f"quantized {s.tensors_quantized} tensors at group {report.quantization_config['group_size']}: "
+        f"{s.bits_per_weight} bits/weight ({s.whole_model_bits_per_weight} for the whole model), "
+        f"min SNR {s.snr_db_min} dB, {len(report.fallbacks)} group fallbacks, "
+        f"{s.source_bytes / 1e6:.1f} MB -> {s.output_bytes / 1e6:.1f} MB in "
+        f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mb():.0f} MiB -> {out}"
+    )
+
+
+class _ShownProgress:
+    """Progress on stderr (only with ``enabled``; notes always): bars with rate and ETA on a
+    terminal, plain lines otherwise (see cli_progress)."""
+
+    def __init__(self, enabled: bool):
+        from .progress import StepReporter
+
+        self.enabled, self.bytes, self.steps = enabled, None, StepReporter(enabled, unit="layer")
+
+    def start(self, total_bytes: int) -> None:
+        from .progress import Steps
+
+        self.bytes = Steps("quantize", total_bytes, unit="B", enabled=self.enabled, every=0.1)
+
+    def advance(self, nbytes: int) -> None:
+        self.bytes.update(self.bytes.done + nbytes)
+
+    def step(self, what: str, done: int, total: int, note: str = "") -> None:
+        self.steps(what, done, total, note)
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            click.echo(f"int4q: {message}", err=True)
+
+    def note(self, message: str) -> None:
+        click.echo(f"int4q: note: {message}", err=True)
+
+    def close(self) -> None:
+        if self.bytes is not None:
+            self.bytes.close()
+        self.steps.close()
+
+
+@click.command("bundled-model")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def bundled_model(out, overwrite):
+    """Write the bundled SmolLM2-135M-Instruct as a bf16 checkpoint to OUT."""
+    from ..io.bundled import build_default_model, is_bundled_output
+
+    if Path(out).exists() and not overwrite:
+        if not is_bundled_output(out):
+            raise click.UsageError(f"{out} exists and is not the bundled model; choose another folder")
+        click.echo(f"{out} already holds the bundled model; keeping it")
+        return
+    build_default_model(out, overwrite=overwrite)
+    click.echo(f"wrote SmolLM2-135M-Instruct (bf16) -> {out}")

@@ -1,0 +1,93 @@
+"""The ``int4q generate`` and ``int4q bench`` commands: run a checkpoint."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", required=True, help="Text to continue (or the user message with --chat).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads (default: torch's choice).")
+@click.option("--compile/--no-compile", default=True, show_default=True,
+              help="Compile the decode step (cached on disk after the first run).")
+@click.option("--stats", is_flag=True, help="Print load time, time to first token and decode speed to stderr.")
+def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
+    """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
+    from ..io.tokenizer import load_tokenizer
+    from ..runtime import load_model
+    from ..runtime.decode.generation import GenerationStats, generate_text
+
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, threads=threads)
+    loaded = time.perf_counter()
+    counts = GenerationStats()
+    for piece in generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts):
+        click.echo(piece, nl=False)
+    click.echo()
+    sys.stdout.flush()
+    if stats and counts.first_token_at:
+        steps = counts.new_tokens - 1
+        rate = steps / (counts.last_token_at - counts.first_token_at) if steps else float("nan")
+        click.echo(f"int4q: load {loaded - started:.2f} s, time to first token {counts.first_token_at - started:.2f} s "
+                   f"({counts.prompt_tokens} prompt tokens), then {steps} tokens at {rate:.1f} tok/s", err=True)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A bf16 checkpoint to measure in the same process, arms interleaved.")
+@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(0, 100_000),
+              help="Prefill length (pp); 0 skips prefill.")
+@click.option("--gen-tokens", default=128, show_default=True, type=click.IntRange(0, 100_000),
+              help="Decode steps (tg), not counting the prompt's forward; 0 skips decode.")
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(1, 100))
+@click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads (default: torch's choice).")
+@click.option("--compile/--no-compile", default=True, show_default=True,
+              help="Compile the decode step (cached on disk after the first run).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every number here.")
+def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile, json_path):
+    """llama-bench style prefill and decode speed, and resident memory after load."""
+    import json
+
+    import torch
+
+    from ..runtime.bench import bench_models
+    from .progress import StepReporter
+
+    if json_path and not json_path.parent.is_dir():
+        raise click.BadParameter(f"folder {json_path.parent} does not exist", param_hint="--json")
+    if threads:
+        torch.set_num_threads(threads)
+
+    arms = 2 if baseline else 1
+    steps = StepReporter(unit="run")
+    runs = iter(range(1, reps * arms + 1))
+
+    def show(rep, name, r):
+        steps("bench runs", next(runs), reps * arms,
+              f"{name} pp {r.pp[-1] if r.pp else 0:.1f} tg {r.tg[-1] if r.tg else 0:.2f} tok/s")
+
+    try:
+        out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show)
+    finally:
+        steps.close()
+    click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} tg{gen_tokens}, "
+               f"{reps} reps (best / median)")
+    for name, r in out["arms"].items():
+        click.echo(f"{name:>9}: pp {r['pp_best']} / {r['pp_median']} tok/s   tg {r['tg_best']} / {r['tg_median']} tok/s"
+                   f"   RssAnon after load {r['rss_anon_after_load_mb']} MiB   ({r['decode_path']} decode)")
+    if "ratios_int4_over_baseline" in out:
+        click.echo("    ratio: " + ", ".join(f"{k} {v}" for k, v in out["ratios_int4_over_baseline"].items()))
+    click.echo(f"peak RSS of the process {out['peak_rss_mb']} MiB")
+    if json_path:
+        json_path.write_text(json.dumps(out, indent=2) + "\n")

@@ -1,0 +1,111 @@
+"""Output folders: built beside their final place and renamed in only when complete.
+
+An existing folder is replaced only when the caller recognises it as one int4q wrote (or it is
+empty), and never when it is, or holds, one of the inputs. Nothing else is ever deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from ..errors import InputError, UsageError
+from ..spec.config import QUANT_METHOD
+
+REPORT_NAME = "quantization_report.json"
+
+
+def partial_dir(out: Path) -> Path:
+    """Where the output is built before it is renamed into place (stable, so a run can resume)."""
+    out = Path(out).resolve()
+    return out.parent / f".{out.name}.int4q-partial"
+
+
+def is_int4q_output(folder: Path) -> bool:
+    """True for a folder ``int4q quantize`` wrote: a cpu_int4 config, or any quantization_config
+    beside int4q's quantization report (the GPTQ export)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(qc, dict):
+        return False
+    return qc.get("quant_method") == QUANT_METHOD or (Path(folder) / REPORT_NAME).is_file()
+
+
+def check_output_target(
+    out: Path, overwrite: bool, inputs: Sequence[Path] = (), replaceable: Callable[[Path], bool] = is_int4q_output
+) -> Path:
+    """Raise InputError unless ``out`` may be written; return it resolved.
+
+    ``out`` must not be an input nor contain one. An existing ``out`` needs ``overwrite`` and must
+    be a folder that is empty or that ``replaceable`` recognises.
+    """
+    target = Path(out).resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if target == src or target in src.parents:
+            what = "is" if target == src else "contains"
+            raise InputError(f"--out {out} {what} the input {src}; choose an output folder outside it")
+    if not target.exists() and not target.is_symlink():
+        return target
+    if not overwrite:
+        raise UsageError(f"{out} already exists; pass --overwrite to replace it")
+    if not target.is_dir():
+        raise InputError(f"{out} exists and is not a folder; remove it or choose another --out")
+    if any(target.iterdir()) and not replaceable(target):
+        raise InputError(
+            f"{out} is not a folder int4q wrote, so --overwrite will not replace it; "
+            "remove it yourself or choose another --out"
+        )
+    return target
+
+
+def check_free_space(out: Path, needed_bytes: int) -> None:
+    """Raise InputError when the file system that will hold ``out`` has less than ``needed_bytes`` free."""
+    folder = Path(out).resolve().parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise InputError(f"{folder} has {free / 1e9:.2f} GB free, but writing {Path(out).name} needs about "
+                         f"{needed_bytes / 1e9:.2f} GB; free space or choose another --out")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    out: Path,
+    overwrite: bool,
+    keep_partial: bool = False,
+    resume: bool = False,
+    inputs: Sequence[Path] = (),
+    replaceable: Callable[[Path], bool] = is_int4q_output,
+) -> Iterator[Path]:
+    """Yield the partial folder; on success it replaces ``out``. On failure it is removed, or
+    kept (``keep_partial``) for a later run to resume from. An existing partial folder is reused
+    when ``resume`` and cleared otherwise. ``out`` is checked by :func:`check_output_target`
+    before anything is created."""
+    target = check_output_target(out, overwrite, inputs, replaceable)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_dir(target)
+    if tmp.exists() and not resume:
+        shutil.rmtree(tmp)
+    tmp.mkdir(exist_ok=True)
+    try:
+        yield tmp
+    except BaseException:
+        if not keep_partial:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        old = target.parent / f".{target.name}.int4q-old-{os.getpid()}"
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(target)

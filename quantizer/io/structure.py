@@ -1,0 +1,125 @@
+"""Which checkpoint tensors are linear weights, the vocabulary table and the head, decided from
+the model's own module tree built on the meta device (no weights are allocated)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """Module names (no ``.weight`` suffix) of a causal LM's linears, embedding and head."""
+
+    linears: tuple[str, ...]
+    embedding: str | None
+    head: str | None
+    tied: bool
+
+    @property
+    def decoder_linears(self) -> tuple[str, ...]:
+        """The linears other than the output head."""
+        return tuple(n for n in self.linears if n != self.head)
+
+    def quantized_modules(self, ignore: tuple[str, ...], quantize_embedding: bool, tied_output: bool) -> list[str]:
+        """The modules a quantized checkpoint stores quantized: every linear not ignored, the table
+        when ``quantize_embedding``, and the head unless it is tied to the table (or ignored)."""
+        from ..spec.config import matches_ignore
+
+        modules = [m for m in self.decoder_linears if not matches_ignore(m, ignore)]
+        if self.embedding and quantize_embedding:
+            modules.append(self.embedding)
+        if self.head and not tied_output and not matches_ignore(self.head, ignore):
+            modules.append(self.head)
+        return modules
+
+
+def build_config(config_dict: dict):
+    """A transformers config object from a config.json dict (no network)."""
+    from transformers import AutoConfig
+
+    cfg = dict(config_dict)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise InputError("config.json has no model_type")
+    cfg.pop("quantization_config", None)
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        import transformers
+
+        detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if "Unrecognized model" in str(e) or isinstance(e, KeyError):
+            detail = "an unknown model type"
+        raise UnsupportedError(f"transformers {transformers.__version__} cannot build model_type {model_type!r} "
+                               f"({detail}); upgrade transformers or fix config.json") from None
+
+
+def build_empty_model(config_dict: dict) -> torch.nn.Module:
+    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(config_dict)
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except ValueError as e:
+            raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The name and ModuleList of the decoder layers: the list of num_hidden_layers blocks."""
+    count = model.config.get_text_config().num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return name, module
+    raise UnsupportedError(f"cannot find the {count} decoder layers of {type(model).__name__}")
+
+
+def tie_word_embeddings(config_dict: dict) -> bool:
+    text = config_dict.get("text_config") or {}
+    return bool(config_dict.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def inspect_structure(config_dict: dict) -> ModelStructure:
+    model = build_empty_model(config_dict)
+    names = {id(m): n for n, m in model.named_modules()}
+    linears = tuple(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    emb_name = names.get(id(emb)) if emb is not None else None
+    head_name = names.get(id(head)) if head is not None else None
+    if head is not None and type(head) is not torch.nn.Linear:
+        head_name = None
+    return ModelStructure(linears, emb_name, head_name, tie_word_embeddings(config_dict))
+
+
+def architecture_mismatches(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],
+                            tied_head: str | None = None) -> list[str]:
+    """Problems between a checkpoint's tensors (name -> shape; a quantized module appears as its
+    ``<module>.weight`` with the unpacked [N, K]) and ``model``'s parameters: a parameter missing or
+    misshaped, or a tensor with no place in the model. A tied head's redundant copy is allowed."""
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    buffers = {n for n, _ in model.named_buffers()}
+    problems = []
+    for name, want in params.items():
+        if tied_head and name.startswith(tied_head + "."):
+            continue  # the table serves as the head
+        if name not in shapes:
+            problems.append(f"{name}: missing")
+        elif tuple(shapes[name]) != want:
+            problems.append(f"{name}: shape {list(shapes[name])}, the model expects {list(want)}")
+    for name in sorted(set(shapes) - set(params) - buffers):
+        if not (tied_head and name.startswith(tied_head + ".")):
+            problems.append(f"{name}: stray tensor the model has no place for")
+    return problems

@@ -1,0 +1,67 @@
+"""GPTQ as a method of the layer-wise driver: its statistic is the Hessian of each step's input,
+and each linear is solved by :func:`quantizer.methods.gptq.gptq_quantize`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec.methods import UNCALIBRATED
+from ..spec.scheme import ModuleScheme
+from .gptq import HessianAccumulator, gptq_quantize, proxy_loss
+from .grid import ROW_CHUNK, ErrorStats, GroupQuantized, quantize_groupwise
+from .rtn import quantize_rtn
+
+
+@dataclass(frozen=True)
+class GptqSettings:
+    act_order: bool = True  # visit columns by decreasing diag(H), groups static
+    damp: float = 0.01  # added to diag(H), as a fraction of its mean
+    block_size: int = 128  # columns per lazy block update
+    weighted_grids: bool = True  # each static group's grid by the diag(H)-weighted search
+
+
+@dataclass(frozen=True)
+class GptqMethod:
+    """GPTQ with ``settings`` (None: the defaults); ``integer_zero`` when the format stores integer
+    zero points."""
+
+    settings: GptqSettings | None = None
+    integer_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            object.__setattr__(self, "settings", GptqSettings())
+
+    def accumulator(self, in_features: int, device: str = "cpu") -> HessianAccumulator:
+        return HessianAccumulator(in_features, device)
+
+    def calibration_record(self) -> dict:
+        """What the run's calibration record adds for this method."""
+        o = self.settings
+        return {"act_order": o.act_order, "damp": o.damp, "weighted_grids": o.weighted_grids}
+
+    def quantize(self, weight: torch.Tensor, stats: HessianAccumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
+        """GPTQ one weight; the entry compares it with round-to-nearest on the same objective. An
+        8-bit module is rounded to nearest: its error is already far below the 4-bit modules'."""
+        if scheme.bits == 8:
+            q, err = quantize_rtn(weight, scheme)
+            return q, {**err.as_dict(), "method": UNCALIBRATED}
+        o, H = self.settings, stats.H
+        gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
+                                 damp=o.damp, block_size=o.block_size, integer_zero=self.integer_zero,
+                                 weighted_grids=o.weighted_grids)
+        err, gptq_loss, rtn_loss = ErrorStats(), 0.0, 0.0
+        for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head
+            rows = slice(start, start + ROW_CHUNK)
+            w = weight[rows]
+            deq = gq.rows(rows).dequantize()
+            err.add(w, deq)
+            gptq_loss += proxy_loss(w, deq, H)
+            rtn = quantize_groupwise(w, scheme.group_size, symmetric=scheme.symmetric).dequantize()
+            rtn_loss += proxy_loss(w, rtn, H)
+        return gq, {
+            **err.as_dict(), "method": "gptq", "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
+            "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
+        }

@@ -1,0 +1,64 @@
+"""Round-to-nearest, the uncalibrated method: each weight's codes are the nearest points of its
+grids (4-bit groups, min/max or clipped by ``clip_search``; or 8-bit channels). Pure tensor code."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..spec.scheme import ModuleScheme
+from .grid import ROW_CHUNK, ChannelQuantized, ErrorStats, GroupQuantized, quantize_groupwise, quantize_per_channel
+
+
+def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, integer_zero: bool = False,
+                 column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
+    """Round-to-nearest on the scheme's grid (4-bit groups or 8-bit channels), in row chunks
+    written into one result (no concatenated copies); the error statistics against ``weight``.
+    ``column_weights`` [K]: 4-bit grids chosen by the weighted search (see grid.quantize_groupwise)."""
+    stats = ErrorStats()
+    out = None
+    for start in range(0, weight.shape[0], ROW_CHUNK):
+        rows = weight[start:start + ROW_CHUNK]
+        if scheme.bits == 8:
+            part = quantize_per_channel(rows)
+        else:
+            part = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
+                                      integer_zero=integer_zero, column_weights=column_weights)
+        stats.add(rows, part.dequantize())
+        if out is None:
+            out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in _fields(part)))
+        for mine, theirs in zip(_fields(out), _fields(part)):
+            mine[start:start + ROW_CHUNK] = theirs
+    return out, stats
+
+
+def _fields(q: GroupQuantized | ChannelQuantized) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(q, f.name) for f in dataclasses.fields(q))
+
+
+@dataclass(frozen=True)
+class RtnSettings:
+    clip_search: bool = False  # each group's range shrunk by the factor that minimises its squared error
+
+
+@dataclass(frozen=True)
+class RoundToNearest:
+    """Round-to-nearest with ``settings``; ``integer_zero`` when the format stores integer zero points."""
+
+    settings: RtnSettings | None = None
+    integer_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            object.__setattr__(self, "settings", RtnSettings())
+
+    def calibration_record(self) -> dict:
+        return {}
+
+    def quantize(self, weight: torch.Tensor, stats: None,
+                 scheme: ModuleScheme) -> tuple[GroupQuantized | ChannelQuantized, dict]:
+        """The weight on the scheme's grid and its error statistics (``stats`` is unused)."""
+        q, err = quantize_rtn(weight, scheme, self.settings.clip_search, self.integer_zero)
+        return q, err.as_dict()

@@ -1,0 +1,247 @@
+"""The layer-by-layer calibration driver that every calibrated method runs on.
+
+Only the embedding and one decoder layer are ever materialised. The calibration windows go
+through the model's own code up to the first decoder layer (so its rotary tables and attention
+mask are the model's), then layer by layer: each layer's quantized linears are visited
+true-sequentially (the linears that share an input form one step: q/k/v, then o, then gate/up,
+then down, inputs re-captured after each step), and the *quantized* layer's outputs feed the
+next layer. Finished layers are saved with the hidden states after them, so an interrupted run
+can resume. The head is quantized last on the final hidden states; the vocabulary table, which
+sees no activations, by round-to-nearest.
+
+A method is a :class:`LayerwiseMethod`: per step the driver feeds the step's input to the
+method's accumulator, then asks it to quantize each linear of the step given that accumulator.
+
+Under torchrun each rank holds only its share of the windows and their activations (see
+distributed.py): the ranks sum each step's statistic, split the step's linears between them and
+broadcast the solved weights; rank 0 alone saves the layers and writes the output.
+
+Peak memory per rank ~ one layer in fp32 + the step's accumulators + two copies of its share of
+the calibration activations (nsamples / world_size x seqlen x hidden fp32).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from ..calibrate import capture
+from ..calibrate import state as calib_state
+from ..calibrate.capture import Accumulator
+from ..calibrate.ranks import SINGLE, Ranks
+from ..errors import InputError
+from ..io.checkpoint import CheckpointReader
+from ..io.shards import ShardWriter, TensorSpec, file_specs
+from ..io.structure import build_empty_model, decoder_layers
+from ..memory import peak_rss_mb, proc_status_mb, release_free_memory
+from ..methods.gptq import NotPositiveDefinite
+from ..methods.grid import GroupQuantized
+from ..spec.methods import UNCALIBRATED
+from ..spec.scheme import ModuleScheme
+from .planning import QuantizationPlan
+from .report import finish_output, module_entry
+from .streamed import quantize_module
+
+Say = Callable[[str], None]
+Step = Callable[[str, int, int, str], None]  # (what, done, total, note)
+
+
+class LayerwiseMethod(Protocol):
+    def accumulator(self, in_features: int, device: str = "cpu") -> Accumulator:
+        """A fresh statistic of a step's input."""
+
+    def quantize(self, weight: torch.Tensor, stats: Accumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
+        """One linear's weight [N, K] given its input's statistic: the quantized weight and a report entry."""
+
+
+def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, dtype=torch.float32,
+                 device: str = "cpu") -> None:
+    """Load every parameter of ``module`` (as ``dtype``, on ``device``) from the checkpoint."""
+    for name, _ in list(module.named_parameters()):
+        capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(device, dtype))
+
+
+def _buffers_to(model: torch.nn.Module, device: str) -> None:
+    """Move the model's materialised buffers (rotary tables) to ``device``."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
+
+
+def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
+                  fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE,
+                  step: Step | None = None) -> dict | None:
+    """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
+    (the partial folder; its state subfolder holds the progress). Each rank runs its own share of
+    the windows; rank 0 returns the report, the other ranks None. ``say`` gets messages and
+    ``step("layer", done, total, note)`` each finished layer."""
+    start = time.perf_counter()
+    say = say or (lambda m: None)
+    step = step or (lambda *a: None)
+    state_dir = out_dir / calib_state.STATE_DIR
+    state = calib_state.load_state(state_dir, fingerprint, resume, ranks) if ranks.is_main else {}
+    ranks.barrier()  # rank 0 has prepared the state folder
+    state_dir.mkdir(parents=True, exist_ok=True)
+    done, as_tuple = ranks.broadcast_object((state.get("layers_done"), state.get("as_tuple", False)))
+    own = windows[ranks.share(windows.shape[0])]
+    model = build_empty_model(plan.source_config).float()
+    _buffers_to(model, ranks.device)
+    layers_name, layers = decoder_layers(model)
+    emb = model.get_input_embeddings()
+    _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16, ranks.device)  # a lookup: bf16 is exact
+    # ...but its output must be fp32, or the model derives bf16 rotary tables from its dtype
+    emb.register_forward_hook(lambda module, args, out: out.float())
+
+    per_tensor: dict[str, dict] = state.get("tensors", {})
+    hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)
+    if done:
+        hidden = calib_state.load_hidden(state_dir, done, ranks)
+        say(f"resuming after layer {done}/{len(layers)}")
+    step("layer", done, len(layers), "")  # starts the clock
+    for i in range(done, len(layers)):
+        layer_start = time.perf_counter()
+        prefix = f"{layers_name}.{i}"
+        _materialize(layers[i], prefix, plan.reader, device=ranks.device)
+        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks)
+        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device)
+        for name in plan.reader.infos if ranks.is_main else ():
+            if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
+                out_tensors[name] = plan.reader.get(name)
+        layers[i].to("meta")
+        calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks)
+        release_free_memory()
+        step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
+             f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
+
+    head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say)
+    calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
+    peaks = ranks.gather_value(peak_rss_mb())  # and every rank is done with the state folder
+    if not ranks.is_main:
+        return None
+    shards = _write_output(plan, out_dir, layers_name, len(layers), _head_target(plan), head_tensors, per_tensor)
+    damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
+    return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries,
+                         world_size=ranks.world_size, windows_per_rank=ranks.shares(windows.shape[0]),
+                         calibration_peak_rss_mb_per_rank=[round(p) for p in peaks])
+
+
+def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, per_tensor, ranks: Ranks,
+                   say: Say) -> dict[str, torch.Tensor]:
+    """The head's (or tied table's) tensors, quantized on the final hidden states of every rank's
+    windows; solved on rank 0, the only rank that gets them."""
+    head = _head_target(plan)
+    if not head:
+        return {}
+    say(f"quantizing {head} on the final hidden states")
+    acc = capture.head_statistic(model, layers, plan.reader, hidden, own_windows, as_tuple, plan.structure.head,
+                                 method, ranks.device)
+    if ranks.distributed:
+        acc.merge(ranks.sum_)
+    if not ranks.is_main:
+        return {}
+    weight = plan.reader.get(plan.targets[head]).to(ranks.device)
+    result = _solve(method, head, weight, acc, plan.scheme_of(head))
+    return _record(plan, head, weight.shape, *result, per_tensor)
+
+
+def _solve(method, module: str, weight: torch.Tensor, stats, scheme: ModuleScheme):
+    """``method.quantize`` for one module; a Hessian no damping repairs becomes one line naming
+    the module and the knobs that help."""
+    try:
+        return method.quantize(weight, stats, scheme)
+    except NotPositiveDefinite as e:
+        raise InputError(f"GPTQ cannot solve {module}: its Hessian is not positive definite even at damp "
+                         f"{e.damp:.3g}; raise --damp, or give more calibration text (--nsamples, --calib)") from None
+
+
+def _head_target(plan: QuantizationPlan) -> str | None:
+    """The module quantized on the head's inputs: the head, or the table when the head is tied to it."""
+    head, emb = plan.structure.head, plan.structure.embedding
+    if head in plan.targets:
+        return head
+    return emb if plan.tied_output and emb in plan.targets else None
+
+
+def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[str, torch.Tensor]:
+    """The quantized weight's tensors in the plan's format (on the CPU); records its report entry."""
+    tensors = {name: t.cpu() for name, t in plan.format.tensors(module, q).items()}
+    per_tensor[module] = module_entry(plan.targets[module], shape, tensors, stats)
+    return tensors
+
+
+def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict,
+                    ranks: Ranks = SINGLE) -> dict[str, torch.Tensor]:
+    """Quantize the layer's target linears step by step, leaving their dequantized weights in
+    place for the later steps; returns their checkpoint tensors (on rank 0). The ranks sum each
+    step's statistic, split its linears between them, and share the solved weights."""
+    wanted = {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
+    out_tensors: dict[str, torch.Tensor] = {}
+    for step in capture.linear_steps(layer, hidden[:1].to(ranks.device), kwargs, wanted):
+        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device)
+        if ranks.distributed:
+            acc.merge(ranks.sum_)
+        linears = [layer.get_submodule(name) for name in step]
+        owners = ranks.owner_of([linear.weight.numel() for linear in linears])
+        mine = {name: _solve(method, f"{prefix}.{name}", linear.weight, acc, plan.scheme_of(f"{prefix}.{name}"))
+                for name, linear, owner in zip(step, linears, owners) if owner == ranks.rank}
+        del acc
+        for name, linear, owner in zip(step, linears, owners):
+            q, stats = mine.get(name, (None, None))
+            q = ranks.broadcast_dataclass(q, owner)
+            stats = ranks.broadcast_object(stats, owner)
+            if ranks.is_main:
+                out_tensors.update(_record(plan, f"{prefix}.{name}", linear.weight.shape, q, stats, per_tensor))
+            linear.weight.data = q.dequantize()
+    return out_tensors
+
+
+def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu") -> tuple[torch.Tensor, bool]:
+    """The (quantized) layer's outputs for every window (kept on the CPU), and whether the layer returns a tuple."""
+    hidden_out = torch.empty_like(hidden)
+    as_tuple = False
+    with torch.inference_mode():
+        for s in range(hidden.shape[0]):
+            out = layer(hidden[s:s + 1].to(device), **kwargs)
+            as_tuple = isinstance(out, tuple)
+            hidden_out[s:s + 1] = capture.hidden_of(out)
+    return hidden_out, as_tuple
+
+
+def _write_output(plan: QuantizationPlan, out_dir: Path, layers_name: str, n_layers: int, head: str | None,
+                  head_tensors: dict[str, torch.Tensor], per_tensor: dict) -> list[Path]:
+    """The shards: every saved layer, the head (or the tied table), then the tensors outside the
+    layers (an untied table quantized by round-to-nearest). Returns the shard paths."""
+    state_dir = out_dir / calib_state.STATE_DIR
+    reader = plan.reader
+    rest = [name for name in sorted(reader.infos)
+            if not (name.startswith(layers_name + ".") or name in plan.dropped
+                    or (head and name == f"{head}.weight"))]
+    specs = [spec for i in range(n_layers) for spec in file_specs(calib_state.layer_file(state_dir, i))]
+    specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
+    for name in rest:
+        info, module = reader.infos[name], name.removesuffix(".weight")
+        specs += (plan.format.tensor_specs(module, info.shape, plan.scheme_of(module)) if module in plan.targets
+                  else [TensorSpec(name, info.dtype, info.shape)])
+    writer = ShardWriter(out_dir, specs, plan.options.max_shard_bytes)
+    for i in range(n_layers):
+        for name, t in calib_state.read_safetensors(calib_state.layer_file(state_dir, i)).items():
+            writer.add(name, t)
+    for name, t in head_tensors.items():
+        writer.add(name, t)
+    for name in rest:
+        module, tensor = name.removesuffix(".weight"), reader.get(name)
+        if module in plan.targets:
+            tensors, entry = quantize_module(plan, module, tensor)
+            per_tensor[module] = {**entry, "method": UNCALIBRATED}
+            for tname, t in tensors.items():
+                writer.add(tname, t)
+        else:
+            writer.add(name, tensor)
+    shards = writer.finish()
+    shutil.rmtree(state_dir)
+    return shards

@@ -1,0 +1,289 @@
+"""Plan a quantization: check the checkpoint and the options against each other and decide, for
+every tensor, whether it is copied, dropped, or quantized and with which scheme. Reads only
+config.json and shard headers, and raises before anything is written."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..formats import RUNTIME_FORMAT, CheckpointFormat, get_format
+from ..formats.packing import PACK_N_ALIGN
+from ..io.checkpoint import CheckpointReader, TensorInfo, read_config
+from ..io.shards import TensorSpec
+from ..io.structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
+from ..spec.config import QuantizationConfig, matches_ignore
+from ..spec.methods import UNCALIBRATED, get_method
+from ..spec.scheme import KEPT_BITS, ModuleScheme
+from .recipes import Override, assign_schemes, recipe_bits
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """User choices. ``group_size=None`` means auto."""
+
+    group_size: int | None = None
+    symmetric: bool | None = False  # None: the format's default grid
+    clip_search: bool = False
+    keep_embedding: bool = False
+    untie_head: bool = False
+    ignore: tuple[str, ...] = ()
+    max_shard_bytes: int = 2 * 1000**3
+    method: str = UNCALIBRATED
+    checkpoint_format: str = RUNTIME_FORMAT
+    recipe: str = "all4"
+    embedding_bits: int | None = None  # None: the recipe's (16 with keep_embedding)
+    head_bits: int | None = None  # None: the table's when tied, else the recipe's
+    overrides: tuple[Override, ...] = ()
+    strict_group_size: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """Everything decided before the first byte is written.
+
+    ``targets`` maps each output module name to the checkpoint tensor it is quantized from (an
+    untied head made from a tied table shares the table's source). ``dropped`` are source tensors
+    that are not written at all (a tied head's redundant copy).
+    """
+
+    model_dir: Path
+    reader: CheckpointReader
+    source_config: dict
+    structure: ModelStructure
+    qconfig: QuantizationConfig
+    targets: dict[str, str]
+    options: QuantizeOptions
+    dropped: frozenset[str] = field(default_factory=frozenset)
+    tied_output: bool = False
+    source_name: str | None = None  # what the user named (a Hub id or a path), for the model card
+    base_model: str | None = None  # the source's Hub id, when one is known (see hub.base_model_id)
+    notes: tuple[str, ...] = ()  # choices the plan made that the user did not ask for
+    fallbacks: dict[str, str] = field(default_factory=dict)  # module -> why its group or bits differ
+
+    @property
+    def format(self) -> CheckpointFormat:
+        return get_format(self.options.checkpoint_format)
+
+    def scheme_of(self, module: str) -> ModuleScheme:
+        return self.qconfig.scheme_for(module)
+
+    def output_config(self) -> dict:
+        cfg = copy.deepcopy(self.source_config)
+        head = self.structure.head
+        cfg["quantization_config"] = self.format.quantization_config(
+            self.qconfig, head_quantized=bool(head) and head in self.targets and self.scheme_of(head).bits < 16)
+        cfg["tie_word_embeddings"] = self.tied_output
+        if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg["text_config"]:
+            cfg["text_config"]["tie_word_embeddings"] = self.tied_output
+        return cfg
+
+    def reading_order(self) -> list[tuple[TensorInfo, list[str]]]:
+        """Each source tensor that is written (the dropped are not), in reading order, with the
+        output modules quantized from it (empty: copied)."""
+        infos = sorted(self.reader.infos.values(), key=lambda i: (str(i.file), i.name))
+        return [(i, self.modules_from(i.name)) for i in infos if i.name not in self.dropped]
+
+    def output_specs(self) -> list[TensorSpec]:
+        """Every tensor the output will hold, in writing order."""
+        specs = []
+        for info, modules in self.reading_order():
+            if not modules:
+                specs.append(TensorSpec(info.name, info.dtype, info.shape))
+            for module in modules:
+                specs += self.format.tensor_specs(module, info.shape, self.scheme_of(module))
+        return specs
+
+    def disk_bytes_needed(self, calibration_tokens: int = 0) -> int:
+        """Free bytes the run needs: the output's tensors; for a calibrated (GPTQ) run also its
+        per-layer state (about the output again) and two sets of fp32 calibration activations."""
+        output = sum(spec.nbytes for spec in self.output_specs())
+        if not calibration_tokens:
+            return output
+        hidden = self.source_config.get("hidden_size") or (self.source_config.get("text_config") or {}).get("hidden_size")
+        return 2 * output + 2 * calibration_tokens * int(hidden or 0) * 4
+
+    def modules_from(self, tensor_name: str) -> list[str]:
+        """Output modules quantized from this checkpoint tensor (empty: copy it)."""
+        return [m for m, src in self.targets.items() if src == tensor_name]
+
+
+def plan_quantization(model_dir: Path, options: QuantizeOptions) -> QuantizationPlan:
+    """Check the checkpoint and the options against each other; raise InputError on any problem."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "unknown")
+        raise InputError(f"{model_dir} is already quantized ({method}); start from a bf16/fp16/fp32 checkpoint")
+    reader = CheckpointReader(model_dir)
+    structure = inspect_structure(config)
+    infos = reader.infos
+    _check_architecture(model_dir, config, structure, infos)
+    for name, info in infos.items():
+        if not isinstance(info.dtype, torch.dtype):
+            raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
+    options, notes = _implied_options(options, structure)
+    targets, dropped, tied_output = _choose_targets(structure, infos, options)
+    _check_dtypes_and_shapes(targets, infos)
+    base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
+    group, schemes, fallbacks = assign_schemes({m: infos[s].shape[1] for m, s in targets.items()}, base_bits,
+                                               options.group_size, options.symmetric, options.overrides,
+                                               options.strict_group_size)
+    _check_schemes(schemes, get_format(options.checkpoint_format))
+    emb = structure.embedding
+    _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos)
+    default = ModuleScheme(4, group, options.symmetric)
+    qconfig = QuantizationConfig(
+        group_size=group,
+        ignore=tuple(options.ignore),
+        quantize_embedding=emb in targets,
+        method=options.method,
+        symmetric=options.symmetric,
+        clip_search=options.clip_search,
+        modules={m: scheme.to_dict() for m, scheme in schemes.items() if scheme != default},
+    )
+    return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
+                            tied_output, notes=tuple(notes), fallbacks=fallbacks)
+
+
+def _base_bits(module: str, structure: ModelStructure, options: QuantizeOptions, config: dict) -> int:
+    if module == structure.embedding:
+        return options.embedding_bits
+    if module == structure.head:
+        return options.head_bits
+    n_layers = (config.get("text_config") or config).get("num_hidden_layers") or 0
+    return recipe_bits(options.recipe, module, False, n_layers)
+
+
+def _check_schemes(schemes: dict[str, ModuleScheme], fmt: CheckpointFormat) -> None:
+    bad = sorted(m for m, scheme in schemes.items() if scheme.bits not in fmt.bits)
+    if bad:
+        raise InputError(f"the {fmt.name} format stores {'/'.join(map(str, fmt.bits))}-bit modules only, and "
+                         f"{bad[0]} would be {schemes[bad[0]].bits}-bit; choose another --format or recipe")
+
+
+def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tuple[QuantizeOptions, list[str]]:
+    """The options with every precision decided (the table's and the head's bits, kept modules
+    added to ``ignore``) and what the format and the method require; a note for each change the
+    user did not ask for."""
+    notes = []
+    emb, head = structure.embedding, structure.head
+    kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
+    options = dataclasses.replace(options, ignore=options.ignore + kept)
+    fmt = get_format(options.checkpoint_format)
+    if options.symmetric is None:
+        options = dataclasses.replace(options, symmetric=fmt.default_symmetric)
+        if fmt.default_symmetric:
+            notes.append(f"the {fmt.name} export uses a symmetric grid, the one every GPTQ loader accepts "
+                         "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for vLLM only")
+    table = _table_bits(options, emb)
+    if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
+        if options.embedding_bits is not None:
+            raise InputError(f"the {fmt.name} format has no quantized vocabulary table; drop --embedding-bits")
+        table = KEPT_BITS
+        notes.append(f"the {fmt.name} format has no quantized vocabulary table: {emb} stays in bf16")
+    source_tied = structure.tied and emb is not None and head is not None
+    own_head = not source_tied or options.untie_head or get_method(options.method).unties_head
+    head_bits = options.head_bits or (recipe_bits(options.recipe, head or "", True, 0) if own_head else table)
+    if fmt.head_kept_by_default and options.head_bits is None and not options.untie_head and head \
+            and head_bits != KEPT_BITS:
+        head_bits = KEPT_BITS
+        notes.append(f"the {fmt.name} export keeps {head} in bf16, which transformers' GPTQ loader needs; "
+                     "--head-bits 4 quantizes it for vLLM and GPTQModel")
+    if head and matches_ignore(head, options.ignore):
+        head_bits = KEPT_BITS
+    options = dataclasses.replace(options, embedding_bits=table, head_bits=head_bits,
+                                  keep_embedding=table == KEPT_BITS)
+    if not source_tied:
+        if head and head_bits == KEPT_BITS and not matches_ignore(head, options.ignore):
+            options = dataclasses.replace(options, ignore=options.ignore + (head,))
+        return options, notes
+    if head_bits == KEPT_BITS and table != KEPT_BITS:
+        raise InputError(f"{head} shares the table in this model, so it can stay in bf16 only with the table: "
+                         "add --embedding-bits 16, or give the head 4 or 8 bits")
+    calibrated_head = head_bits == 4 and get_method(options.method).unties_head  # an 8-bit head is not solved
+    untie = options.untie_head or head_bits != table or calibrated_head
+    if untie and not options.untie_head:
+        why = (f"{options.method} quantizes the head on its own inputs" if calibrated_head
+               else f"{head} has {head_bits} bits and the table {table}")
+        notes.append(f"{why}: {head} is written untied (tie_word_embeddings false)")
+    return dataclasses.replace(options, untie_head=untie), notes
+
+
+def _table_bits(options: QuantizeOptions, emb: str | None) -> int:
+    if options.keep_embedding or (emb and matches_ignore(emb, options.ignore)):
+        if options.embedding_bits not in (None, KEPT_BITS):
+            raise InputError(f"--keep-embedding (or --ignore of the table) contradicts --embedding-bits "
+                             f"{options.embedding_bits}")
+        return KEPT_BITS
+    return options.embedding_bits or recipe_bits(options.recipe, emb or "", True, 0)
+
+
+def _choose_targets(structure: ModelStructure, infos: dict[str, TensorInfo],
+                    options: QuantizeOptions) -> tuple[dict[str, str], set[str], bool]:
+    """(output module -> source tensor it is quantized from, source tensors not written, whether
+    the output's head stays tied to its table)."""
+
+    def ignored(module: str) -> bool:
+        return matches_ignore(module, options.ignore)
+
+    def weight(module: str) -> str:
+        name = f"{module}.weight"
+        if name not in infos:
+            raise InputError(f"checkpoint has no tensor {name}, which the model's structure expects")
+        return name
+
+    emb, head = structure.embedding, structure.head
+    source_tied = structure.tied and emb is not None and head is not None
+    if source_tied and options.untie_head and ignored(head):
+        raise InputError(f"--untie-head with {head} ignored would leave the head without weights")
+    if not source_tied and head is not None and options.untie_head:
+        log.info("the head is already untied; --untie-head changes nothing")
+    tied_output = source_tied and not options.untie_head
+    quantize_embedding = emb is not None and not options.keep_embedding and not ignored(emb)
+    modules = structure.quantized_modules(options.ignore, quantize_embedding, tied_output)
+    # an untied head made from a tied table is quantized from the table
+    targets = {m: weight(emb if source_tied and m == head else m) for m in modules}
+    dropped = {f"{head}.weight"} if source_tied and f"{head}.weight" in infos else set()  # the tied copy
+    if not targets:
+        raise InputError("nothing to quantize: every linear is ignored")
+    return targets, dropped, tied_output
+
+
+def _check_architecture(model_dir: Path, config: dict, structure: ModelStructure, infos: dict[str, TensorInfo]) -> None:
+    """Every tensor the architecture in config.json needs is present with its shape, and nothing else."""
+    tied_head = structure.head if structure.tied else None
+    problems = architecture_mismatches(build_empty_model(config), {n: i.shape for n, i in infos.items()}, tied_head)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{model_dir}: the weights do not match config.json: {problems[0]}{more}; "
+                         "fix config.json or point --model at the checkpoint it describes")
+
+
+def _check_dtypes_and_shapes(targets: dict[str, str], infos: dict[str, TensorInfo]) -> None:
+    for module, src in targets.items():
+        info = infos[src]
+        if info.dtype not in FLOAT_DTYPES:
+            raise InputError(f"{src} has dtype {info.dtype}; only bf16, fp16 and fp32 weights can be quantized")
+        if len(info.shape) != 2:
+            raise InputError(f"{src} has shape {list(info.shape)}; a linear weight must be 2-D")
+
+
+def _check_out_dims(targets: dict[str, str], infos: dict[str, TensorInfo]) -> None:
+    bad = {src: infos[src].shape[0] for src in targets.values() if infos[src].shape[0] % PACK_N_ALIGN}
+    if bad:
+        listed = ", ".join(f"{n} (N={v})" for n, v in sorted(bad.items())[:5])
+        raise InputError(
+            f"the tinygemm kernel needs output dims that are multiples of {PACK_N_ALIGN}: {listed}; "
+            "leave them in bf16 with --ignore"
+        )

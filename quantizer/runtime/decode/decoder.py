@@ -1,0 +1,197 @@
+"""Greedy decoding without transformers' per-step machinery.
+
+A preallocated KV cache, logits for the last position only, and each decoder layer split into
+two halves around attention (norm + projections + rotary; output projection + norm + MLP).
+Prefill runs the halves eagerly (its GEMMs dominate). A single-token step is also available as
+one function of tensors, :func:`decode_step`, which ``torch.compile`` turns into one graph for
+the whole model: the position is a tensor and the caches come in as views whose length is marked
+dynamic, so the graph holds for every position and every cache size.
+
+Covers decoder layers shaped like Llama's (:data:`FAST_MODEL_TYPES`); :func:`unsupported_reason`
+says why any other model must decode through transformers' ``generate`` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import InputError
+from ..native.dequant import shared_weight_buffer
+from ..nn.fusion import Int4Slice
+
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose decoder stack is exactly: embed, layers of the shape below, norm, head."""
+
+LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
+DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq depends on the sequence length
+
+
+def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
+    """None when :class:`FastDecoder` reproduces ``model``'s forward over ``max_len`` tokens, else why not."""
+    config = model.config.get_text_config()
+    if config.model_type not in FAST_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(FAST_MODEL_TYPES)}"
+    base = model.get_decoder()
+    if not all(hasattr(base, a) for a in ("layers", "norm", "rotary_emb")):
+        return "the decoder has no layers/norm/rotary_emb"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") in DYNAMIC_ROPE:
+        return f"rope type {rope.get('rope_type')!r} changes with the sequence length"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and max_len > window:
+        return f"{max_len} tokens exceed the sliding window of {window}"
+    for layer in base.layers:
+        children = {n for n, _ in layer.named_children()}
+        attn = {n for n, _ in layer.self_attn.named_children()} if hasattr(layer, "self_attn") else set()
+        extra = (children - LAYER_CHILDREN) | (attn - ATTN_CHILDREN - {n for n in attn if n.endswith("_fused")})
+        if children < LAYER_CHILDREN or extra:
+            return f"decoder layer {type(layer).__name__} has other parts ({', '.join(sorted(extra)) or 'missing'})"
+    return None
+
+
+def _projections(attn, x):
+    q = attn.q_proj
+    if isinstance(q, Int4Slice) and q.group is attn.k_proj.group is attn.v_proj.group:
+        return q.group(x)
+    return q(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def _mlp(mlp, x):
+    gate = getattr(mlp, "gate_proj", None)
+    if isinstance(gate, Int4Slice) and gate.group is mlp.up_proj.group:
+        g, u = gate.group(x)
+        return mlp.down_proj(mlp.act_fn(g) * u)
+    return mlp(x)
+
+
+def rms_norm(module, h):
+    """``module(h)``. While torch.compile traces, a norm marked ``exact_mean_square`` (a Llama-style
+    RMSNorm, see :func:`llama_rms_norm`) computes its variance with one opaque operator instead:
+    Inductor's own reduction sums in another order, and an fp32 sum rounded differently now and
+    then flips a bf16 output and, rarely, a greedy token."""
+    if getattr(module, "exact_mean_square", False) and torch.compiler.is_compiling():
+        return llama_rms_norm(module, h, torch.ops.int4q_native.mean_square)
+    return module(h)
+
+
+def llama_rms_norm(module, h, mean_square):
+    """LlamaRMSNorm's forward with ``mean_square(x)`` for ``x.pow(2).mean(-1, keepdim=True)``."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(mean_square(x) + module.variance_epsilon)
+    return module.weight * x.to(h.dtype)
+
+
+def attention_inputs(layer, h, cos, sin, rope):
+    """h [1, T, D] -> rotated q [1, H, T, hd], k and v [1, Hkv, T, hd]."""
+    attn = layer.self_attn
+    x = rms_norm(layer.input_layernorm, h)
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    q, k, v = (t.view(shape) for t in _projections(attn, x))
+    if hasattr(attn, "q_norm"):
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v.transpose(1, 2)
+
+
+def attention_output_and_mlp(layer, h, attended):
+    """The residual stream after the attention output projection and the MLP."""
+    h = h + layer.self_attn.o_proj(attended)
+    return h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+
+
+def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of T queries at positions start.. over keys 0..start+T-1 -> [1, T, H*hd]."""
+    t = q.shape[2]
+    mask, causal = None, False
+    if t > 1 and start == 0:
+        causal = True
+    elif t > 1:
+        mask = torch.arange(start + t).unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(1, t, -1)
+
+
+def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale):
+    """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long). ``keys``/``values`` are
+    the caches' views of positions 0..position; the token's K/V go into their last slot."""
+    h = embed(token).to(torch.bfloat16)
+    cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        q, k, v = attention_inputs(layer, h, cos, sin, rope)
+        layer_keys[:, :, -1:].copy_(k)
+        layer_values[:, :, -1:].copy_(v)
+        h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
+    return head(rms_norm(norm, h))[:, 0]
+
+
+class FastDecoder:
+    """One sequence's forward passes with a KV cache of ``max_len`` positions.
+
+    ``forward(ids)`` appends ``ids`` [1, T] and returns the last position's logits [1, V].
+    ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_len: int):
+        reason = unsupported_reason(model, max_len)
+        if reason:
+            raise InputError(f"the fast decoder cannot run this model: {reason}")
+        base = model.get_decoder()
+        config = model.config.get_text_config()
+        self.layers = base.layers
+        self.norm, self.embed, self.head = base.norm, model.get_input_embeddings(), model.get_output_embeddings()
+        attn = self.layers[0].self_attn
+        self.scale = attn.scaling
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        kv_shape = (1, config.num_key_value_heads, max_len, attn.head_dim)
+        self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
+        self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
+        with torch.inference_mode():
+            self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
+        for t in (self.cos, self.sin):  # one compiled graph serves every cache length
+            torch._dynamo.mark_dynamic(t, 1)
+        self.max_len = max_len
+        self.position = 0
+        self.compiled = None
+
+    def step_arguments(self, token: torch.Tensor, start: int, for_tracing: bool = False) -> tuple:
+        """:func:`decode_step`'s arguments for ``token`` [1, 1] at position ``start`` (> 0): the
+        caches as views over positions 0..start. ``for_tracing`` marks the views' length dynamic
+        for torch.compile, so one graph serves every position (lengths 0 and 1 would be
+        specialised, hence ``start`` > 0)."""
+        keys = [k[:, :, : start + 1] for k in self.keys]
+        values = [v[:, :, : start + 1] for v in self.values]
+        if for_tracing:
+            for t in (*keys, *values):
+                torch._dynamo.mark_dynamic(t, 2)
+        return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
+                self.cos, self.sin, self.rope, self.scale)
+
+    def reset(self) -> None:
+        self.position = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start, t = self.position, ids.shape[1]
+        if start + t > self.max_len:
+            raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
+        if t == 1 and start and self.compiled is not None:
+            logits = self.compiled(*self.step_arguments(ids, start))
+            self.position += 1
+            return logits
+        h = self.embed(ids).to(torch.bfloat16)
+        cos, sin = self.cos[:, start : start + t], self.sin[:, start : start + t]
+        end = start + t
+        with shared_weight_buffer():
+            for layer, keys, values in zip(self.layers, self.keys, self.values):
+                q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
+                keys[:, :, start:end] = k
+                values[:, :, start:end] = v
+                h = attention_output_and_mlp(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start,
+                                                              self.scale))
+        self.position = end
+        return self.head(self.norm(h[:, -1:]))[:, 0]

@@ -1,0 +1,122 @@
+"""Greedy text generation with streaming: the fast decoder where the model allows it, else
+transformers ``generate`` (which is also the reference path that verify uses)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ...errors import InputError
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    """Token ids [1, T] for ``prompt``, wrapped in the chat template when ``chat``."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("this model has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt")
+        return ids if torch.is_tensor(ids) else ids["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def greedy_ids(model, input_ids: torch.Tensor, max_new_tokens: int, streamer=None) -> torch.Tensor:
+    """Greedy continuation ids [1, <= max_new_tokens] (stops at EOS)."""
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, streamer=streamer, temperature=None, top_p=None, top_k=None)
+    return out[:, input_ids.shape[1]:]
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends generation: the generation config's and the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def fast_greedy(decoder, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> Iterator[int]:
+    """Greedy token ids from a fresh :class:`FastDecoder` run, the EOS that ends it included."""
+    decoder.reset()
+    logits = decoder.forward(input_ids)
+    for i in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        yield token
+        if token in eos or i == max_new_tokens - 1:
+            return
+        logits = decoder.forward(torch.tensor([[token]]))
+
+
+def detokenize(tokenizer, tokens: Iterator[int]) -> Iterator[str]:
+    """Text pieces as tokens arrive; a piece waits while it ends inside a multi-byte character."""
+    ids: list[int] = []
+    shown = ""
+    for token in tokens:
+        ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(shown):
+            continue
+        if len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+
+
+@dataclass
+class GenerationStats:
+    """Filled while generating: prompt and new token counts, and perf_counter() times (s) at
+    which the first and the last new token were known."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def count(self, tokens: Iterator[int]) -> Iterator[int]:
+        for token in tokens:
+            self.last_token_at = time.perf_counter()
+            self.first_token_at = self.first_token_at or self.last_token_at
+            self.new_tokens += 1
+            yield token
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool = False,
+                  compile: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
+    """Yield decoded text pieces as they are generated (fast decoder where the model allows)."""
+    from .compiled import open_decoder
+
+    ids = encode_prompt(tokenizer, prompt, chat)
+    stats = stats or GenerationStats()
+    stats.prompt_tokens = ids.shape[1]
+    decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile)
+    if decoder is None:
+        yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens)
+        return
+    tokens = fast_greedy(decoder, ids, max_new_tokens, eos_token_ids(model, tokenizer))
+    yield from detokenize(tokenizer, stats.count(tokens))
+
+
+def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> Iterator[str]:
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            greedy_ids(model, ids, max_new_tokens, streamer)
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+            streamer.end()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    yield from streamer
+    thread.join()
+    if errors:
+        raise errors[0]

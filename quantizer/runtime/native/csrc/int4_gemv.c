@@ -1,0 +1,109 @@
+/* The decode matmul for one activation row: out[c] = bf16(sum_k x[k] * ((q - 8) * scale + zero)),
+ * from tinygemm's CPU int4 layout (see int4_dequant.c), accumulated in fp32.
+ *
+ * Per group the sum is factored as scale * sum x (q - 8) + zero * sum x. The codes become bf16
+ * pairs (rows k and k + 1 of a channel) without arithmetic: the word 0x43QQ is the bf16 value
+ * 128 + q, exact, so one vdpbf16ps per 16 channels and 2 rows accumulates sum x (128 + q), from
+ * which sum x (q - 8) = that - 136 sum x. Every product is exact in fp32, so the result differs
+ * from PyTorch's tinygemm (which rounds (q - 8) * scale + zero in fp32 first) only where the two
+ * sums round to different bf16 values: under 1% of outputs in tests/test_runtime_gemv.py.
+ *
+ * Needs AVX-512 VBMI and BF16, checked at run time; elsewhere int4q_gemv_available() is 0 and the
+ * runtime uses tinygemm. Registered as a PyTorch operator by int4_ops.cpp.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "int4q.h"
+
+#define BLOCK 64  /* output channels per block of the layout */
+#define RUN 32    /* bytes per (block, k) run */
+#define PREFETCH_BYTES 2048 /* ahead in a block's stream: the weights come from memory once per token */
+
+#if INT4Q_X86
+#include <immintrin.h>
+
+/* The 64 outputs of block b. Rows kk and kk + 1 of the block are 64 contiguous bytes; one byte
+ * permute orders them so that unpacking a nibble vector with 0x43 bytes yields, for 16 channels,
+ * word pairs (row kk, row kk + 1): lane i of the dot product is channel i of that quarter. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
+static void block_gemv(const uint16_t *x, const float *xsum, const uint8_t *src, const uint16_t *sz,
+                       uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t b) {
+    uint8_t order[64];
+    for (int p = 0; p < 64; p++) {
+        const int lane = p / 16, j = p % 16, row = j % 2;
+        order[p] = (uint8_t)(32 * row + 4 * lane + (j < 8 ? j / 2 : 16 + (j - 8) / 2));
+    }
+    const __m512i interleave = _mm512_loadu_si512(order);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high_byte = _mm512_set1_epi8(0x43);
+    const __m512i zero_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 y[4];
+    for (int j = 0; j < 4; j++) y[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / group_size; g++) {
+        __m512 acc[4];
+        for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+        const uint8_t *rows = src + g * group_size * RUN;
+        const uint16_t *xg = x + g * group_size;
+        for (int64_t kk = 0; kk < group_size; kk += 2) {
+            _mm_prefetch((const char *)(rows + kk * RUN + PREFETCH_BYTES), _MM_HINT_T0);
+            const __m512i a = _mm512_permutexvar_epi8(interleave, _mm512_loadu_si512(rows + kk * RUN));
+            const __m512i low = _mm512_and_si512(a, nibble);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(a, 4), nibble);
+            uint32_t pair;
+            memcpy(&pair, xg + kk, sizeof pair);
+            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_unpacklo_epi8(low, high_byte), xs);
+            acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_unpackhi_epi8(low, high_byte), xs);
+            acc[2] = _mm512_dpbf16_ps(acc[2], (__m512bh)_mm512_unpacklo_epi8(high, high_byte), xs);
+            acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_unpackhi_epi8(high, high_byte), xs);
+        }
+        const __m512 sum = _mm512_set1_ps(xsum[g]), bias = _mm512_set1_ps(-136.0f * xsum[g]);
+        const uint16_t *params = sz + (g * n + b * BLOCK) * 2; /* (scale, zero) per channel */
+        for (int j = 0; j < 4; j++) {
+            const __m512i pairs = _mm512_loadu_si512(params + 32 * j);
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, zero_mask));
+            y[j] = _mm512_fmadd_ps(scale, _mm512_add_ps(acc[j], bias), _mm512_fmadd_ps(zero, sum, y[j]));
+        }
+    }
+    _mm512_storeu_si512(out + b * BLOCK, (__m512i)_mm512_cvtne2ps_pbh(y[1], y[0]));
+    _mm512_storeu_si512(out + b * BLOCK + 32, (__m512i)_mm512_cvtne2ps_pbh(y[3], y[2]));
+}
+#endif
+
+/* 1 when this CPU runs the GEMV (AVX-512 F, BW, VBMI and BF16) and int4q_max_level() allows it. */
+int int4q_gemv_available(void) {
+#if INT4Q_X86
+    return int4q_max_level() >= INT4Q_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* xsum[g] = the fp32 sum of x's group g (k / group_size groups), in order. */
+void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum) {
+    for (int64_t g = 0; g < k / group_size; g++) {
+        float s = 0;
+        for (int64_t i = 0; i < group_size; i++) {
+            const uint32_t u = (uint32_t)x[g * group_size + i] << 16;
+            float f;
+            memcpy(&f, &u, sizeof f);
+            s += f;
+        }
+        xsum[g] = s;
+    }
+}
+
+/* Output blocks [first, last) of the product: x bf16 [k], xsum from int4q_group_sums, pack and sz as
+ * in int4_dequant.c, out bf16 [n]; n % 64 == 0, group_size even, k % group_size == 0. Only where
+ * int4q_gemv_available(). */
+void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
+                       int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last) {
+#if INT4Q_X86
+    for (int64_t b = first; b < last; b++) block_gemv(x, xsum, pack + b * k * RUN, sz, out, n, k, group_size, b);
+#else
+    (void)x, (void)xsum, (void)pack, (void)sz, (void)out, (void)n, (void)k, (void)group_size, (void)first, (void)last;
+#endif
+}

@@ -1,0 +1,195 @@
+// int4q's operators, torch.ops.int4q_native: the decode GEMV of int4_gemv.c (a compiled decode
+// step calls it from C++ like any ATen kernel; a Python operator would cost more per call than the
+// kernel saves), the prefill dequantization of int4_dequant.c, mean_square (below), and the
+// vector path they run. Built when int4q is installed (setup.py), or on first use from a source
+// checkout (quantizer/runtime/native/build.py); threads come from ATen's pool.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "int4q.h"
+
+
+#ifndef INT4Q_SOURCE_DIGEST
+#error "build with -DINT4Q_SOURCE_DIGEST=\"<sha256 of csrc/>\" (quantizer/runtime/native/build.py)"
+#endif
+
+namespace {
+std::atomic<int> max_level{INT4Q_AVX512_BF16};
+}  // namespace
+
+extern "C" int int4q_max_level(void) { return max_level.load(); }
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output channels per block of the kernel layout
+
+// x bf16 [1, K], int4pack uint8 [N, K/2] in the tinygemm layout, sz bf16 [K/group, N, 2] -> bf16 [1, N].
+at::Tensor gemv(const at::Tensor &x, const at::Tensor &int4pack, const at::Tensor &sz, int64_t group_size) {
+    TORCH_CHECK(int4q_gemv_available(), "int4q_native::gemv: this CPU lacks AVX-512 VBMI and BF16");
+    const int64_t n = int4pack.size(0), k = int4pack.size(1) * 2;
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.size(1) == k,
+                "int4q_native::gemv: x must be bf16 [1, ", k, "], got ", x.sizes());
+    TORCH_CHECK(int4pack.scalar_type() == at::kByte && n % 64 == 0 && group_size > 0 && group_size % 2 == 0 &&
+                    k % group_size == 0,
+                "int4q_native::gemv: weight must be uint8 [N, K/2] with N % 64 == 0 and an even group dividing K");
+    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == k / group_size &&
+                    sz.size(1) == n && sz.size(2) == 2,
+                "int4q_native::gemv: sz must be bf16 [K/group, N, 2], got ", sz.sizes());
+    const at::Tensor xc = x.contiguous(), packc = int4pack.contiguous(), szc = sz.contiguous();
+    at::Tensor out = at::empty({1, n}, x.options());
+    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
+    std::vector<float> xsum(k / group_size);
+    int4q_group_sums(xs, k, group_size, xsum.data());
+    const uint8_t *pack = packc.data_ptr<uint8_t>();
+    const auto *params = reinterpret_cast<const uint16_t *>(szc.data_ptr());
+    auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
+    at::parallel_for(0, n / kBlock, 1, [&](int64_t first, int64_t last) {
+        int4q_gemv_blocks(xs, xsum.data(), pack, params, dst, n, k, group_size, first, last);
+    });
+    return out;
+}
+
+// int4pack uint8 [N, K/2] (N % 64 == 0), sz bf16 [K/group, N, 2] -> out, contiguous bf16 [N, K].
+void dequant_int4pack(const at::Tensor &int4pack, const at::Tensor &sz, int64_t group_size, const at::Tensor &out) {
+    const int64_t n = int4pack.size(0), k = int4pack.size(1) * 2;
+    TORCH_CHECK(int4pack.scalar_type() == at::kByte && int4pack.dim() == 2 && n % kBlock == 0 && n > 0 &&
+                    group_size > 0 && k % group_size == 0,
+                "int4q_native::dequant_int4pack: weight must be uint8 [N, K/2] with N % 64 == 0 and a group dividing K");
+    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == k / group_size &&
+                    sz.size(1) == n && sz.size(2) == 2,
+                "int4q_native::dequant_int4pack: sz must be bf16 [K/group, N, 2], got ", sz.sizes());
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == n &&
+                    out.size(1) == k,
+                "int4q_native::dequant_int4pack: out must be contiguous bf16 [", n, ", ", k, "]");
+    const at::Tensor packc = int4pack.contiguous(), szc = sz.contiguous();
+    const uint8_t *pack = packc.data_ptr<uint8_t>();
+    const auto *params = reinterpret_cast<const uint16_t *>(szc.data_ptr());
+    auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
+    const int level = int4q_dequant_level();
+    at::parallel_for(0, n / kBlock * (k / group_size), 1, [&](int64_t first, int64_t last) {
+        int4q_dequant_int4pack(pack, params, dst, n, k, group_size, first, last, level);
+    });
+}
+
+// The dequantization's vector path on this CPU (see int4q.h).
+int64_t dequant_level() { return int4q_dequant_level(); }
+
+bool gemv_available() { return int4q_gemv_available() != 0; }
+
+// sha256 of the sources this library was built from (see build.py).
+std::string source_digest() { return INT4Q_SOURCE_DIGEST; }
+
+// Lower (or restore) the highest vector path the kernels take; returns the previous limit.
+int64_t limit_level(int64_t level) {
+    return max_level.exchange(static_cast<int>(std::clamp<int64_t>(level, INT4Q_PORTABLE, INT4Q_AVX512_BF16)));
+}
+
+// Sums of squares in the order of ATen's CPU sum kernel (SumKernel.cpp) over a contiguous fp32 row:
+// 8-lane vectors, 4 interleaved accumulators, cascaded levels, then the leftover vectors, the
+// accumulators, the leftover elements and the lanes, in that order. Built with -ffp-contract=off,
+// so each square is rounded before it is added, as pow(2) then sum rounds it.
+constexpr int kLanes = 8, kIlp = 4, kLevels = 4;
+using Lanes = std::array<float, kLanes>;
+bool own_mean_square = true;  // switched off where the result is not eager's bit for bit (see gemv.py)
+
+void add_squares(Lanes &acc, const float *x) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[l] * x[l];
+}
+
+void add_lanes(Lanes &acc, const Lanes &more) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += more[l];
+}
+
+int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1)); }
+
+float sum_of_squares(const float *x, int64_t n) {
+    const int64_t vectors = n / kLanes, size = vectors / kIlp;
+    const int64_t power = std::max<int64_t>(4, ceil_log2(size) / kLevels), step = int64_t(1) << power;
+    Lanes acc[kLevels][kIlp] = {};
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
+        for (int level = 1; level < kLevels; ++level) {
+            for (int k = 0; k < kIlp; ++k) {
+                add_lanes(acc[level][k], acc[level - 1][k]);
+                acc[level - 1][k] = Lanes{};
+            }
+            if ((i & ((step - 1) << (level * power))) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
+    for (int level = 1; level < kLevels; ++level)
+        for (int k = 0; k < kIlp; ++k) add_lanes(acc[0][k], acc[level][k]);
+    for (int64_t v = size * kIlp; v < vectors; ++v) add_squares(acc[0][0], x + v * kLanes);
+    for (int k = 1; k < kIlp; ++k) add_lanes(acc[0][0], acc[0][k]);
+    float sum = 0;
+    for (int64_t e = vectors * kLanes; e < n; ++e) sum += x[e] * x[e];
+    for (int l = 0; l < kLanes; ++l) sum += acc[0][0][l];
+    return sum;
+}
+
+// The mean of squares over the last dimension with keepdim: RMSNorm's variance, summed in eager's
+// order so that a compiled step rounds it as eager does. Without ATen's per-call set-up (about
+// 15 us for pow and mean at decode's sizes) where its order is reproduced, else by ATen itself.
+at::Tensor mean_square(const at::Tensor &x) {
+    // Rows shorter than one vector take another order in ATen (widths 5 to 7 differ): its own ops.
+    if (!own_mean_square || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() == 0 || x.size(-1) < kLanes)
+        return x.pow(2).mean(-1, true);
+    auto sizes = x.sizes().vec();
+    sizes.back() = 1;
+    at::Tensor out = at::empty(sizes, x.options());
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    const float *in = x.data_ptr<float>();
+    float *result = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) result[r] = sum_of_squares(in + r * n, n) / static_cast<float>(n);
+    return out;
+}
+
+at::Tensor mean_square_meta(const at::Tensor &x) {
+    auto sizes = x.sym_sizes().vec();
+    sizes.back() = 1;
+    return at::empty_symint(sizes, x.options());
+}
+
+// Whether mean_square uses its own summation (true) or ATen's operators; returns the previous choice.
+bool use_own_mean_square(bool on) {
+    const bool previous = own_mean_square;
+    own_mean_square = on;
+    return previous;
+}
+
+at::Tensor gemv_meta(const at::Tensor &x, const at::Tensor &int4pack, const at::Tensor &, int64_t) {
+    return at::empty_symint({x.sym_size(0), int4pack.sym_size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(int4q_native, m) {
+    m.def("gemv(Tensor x, Tensor int4pack, Tensor sz, int group_size) -> Tensor");
+    m.def("mean_square(Tensor x) -> Tensor");
+    m.def("dequant_int4pack(Tensor int4pack, Tensor sz, int group_size, Tensor(a!) out) -> ()");
+    m.def("dequant_level() -> int", &dequant_level);
+    m.def("gemv_available() -> bool", &gemv_available);
+    m.def("limit_level(int level) -> int", &limit_level);
+    m.def("use_own_mean_square(bool on) -> bool", &use_own_mean_square);
+    m.def("source_digest() -> str", &source_digest);
+}
+TORCH_LIBRARY_IMPL(int4q_native, CPU, m) {
+    m.impl("gemv", gemv);
+    m.impl("mean_square", mean_square);
+    m.impl("dequant_int4pack", dequant_int4pack);
+}
+TORCH_LIBRARY_IMPL(int4q_native, Meta, m) {
+    m.impl("gemv", gemv_meta);
+    m.impl("mean_square", mean_square_meta);
+}

@@ -1,0 +1,37 @@
+/* The C interface of int4q's kernels (int4_gemv.c, int4_dequant.c) to their operators
+ * (int4_ops.cpp), and the vector paths they choose between at run time. The sources may be
+ * compiled as C or as C++; the interface has C linkage either way. */
+#ifndef INT4Q_H
+#define INT4Q_H
+
+#include <stdint.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define INT4Q_X86 1
+#else
+#define INT4Q_X86 0
+#endif
+
+#define INT4Q_PORTABLE 0    /* plain C */
+#define INT4Q_AVX512 1      /* AVX-512 F, BW, VL and VBMI */
+#define INT4Q_AVX512_BF16 2 /* and AVX512_BF16 */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* The highest path the kernels may take (INT4Q_AVX512_BF16 unless lowered, to test the others). */
+int int4q_max_level(void);
+
+int int4q_gemv_available(void);
+void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum);
+void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
+                       int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
+
+int int4q_dequant_level(void);
+void int4q_dequant_int4pack(const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
+                            int64_t group_size, int64_t first, int64_t last, int level);
+#ifdef __cplusplus
+}
+#endif
+
+#endif

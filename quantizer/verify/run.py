@@ -1,0 +1,126 @@
+"""Runs the verify checks in order and turns their results into a report dict (and a plot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from .structure import CheckResult, check_structure
+from .tensors import check_kernel_layout, check_round_trip
+
+
+def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max_windows: int,
+               greedy_tokens: int, max_kld: float | None, say: Callable[[str], None],
+               step: Callable[..., None] | None = None) -> dict:
+    """Structure, then (with ``source``) round trip, kernel layout, end to end. Returns the report:
+    ``ok``, ``checks``, ``tensors`` (per-tensor SNR), ``fidelity`` and readable ``summary_lines``."""
+    checks: list[CheckResult] = []
+    report: dict = {"checkpoint": str(qdir), "source": str(source) if source else None}
+    numbers: list[str] = []
+    say("structure ...")
+    structure, info = check_structure(qdir)
+    checks.append(structure)
+    if structure.ok:
+        if source is not None:
+            say("round trip against the source ...")
+            round_trip, stats = check_round_trip(info, source)
+            checks.append(round_trip)
+            report["tensors"] = {s.module: {"snr_db": s.snr_db, "max_abs_err": s.max_abs_err,
+                                            "max_excess_over_nearest": s.max_excess} for s in stats}
+            snrs = [s.snr_db for s in stats if s.snr_db is not None]
+            if snrs:
+                numbers.append(f"SNR over {len(stats)} quantized tensors: min {min(snrs):.2f} dB, "
+                               f"mean {sum(snrs) / len(snrs):.2f} dB, max {max(snrs):.2f} dB; "
+                               f"max abs error {max(s.max_abs_err for s in stats):.4g}")
+        say("kernel layout ...")
+        checks.append(check_kernel_layout(info))
+        if source is not None and all(c.ok for c in checks):
+            checks.append(_end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report,
+                                      numbers, say, step or (lambda *a: None)))
+    lines = []
+    for c in checks:
+        label = {"ok": "ok", "failed": "FAILED", "could not run": "COULD NOT RUN"}[c.outcome]
+        lines.append(f"[{label}] {c.name}" + (f": {c.could_not_run}" if c.could_not_run else ""))
+        lines.extend(f"    {p}" for p in c.problems[:10])
+        if len(c.problems) > 10:
+            lines.append(f"    ... and {len(c.problems) - 10} more")
+    report["checks"] = [c.as_dict() for c in checks]
+    report["ok"] = all(c.ok for c in checks)
+    report["outcome"] = verdict(checks)
+    report["summary_lines"] = lines + numbers
+    return report
+
+
+def verdict(checks: list[CheckResult]) -> str:
+    """PASS when every check ran and passed, FAIL when one failed, else INCOMPLETE."""
+    if any(c.problems for c in checks):
+        return "FAIL"
+    return "PASS" if all(c.ok for c in checks) else "INCOMPLETE"
+
+
+def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say,
+                step) -> CheckResult:
+    from ..io.text import load_text
+    from ..io.tokenizer import load_tokenizer
+    from ..runtime import load_model
+    from .fidelity import greedy_agreement, teacher_forced, token_windows
+
+    result = CheckResult("end to end")
+    try:
+        tokenizer = load_tokenizer(qdir)
+        reference, quantized = load_model(source), load_model(qdir)
+    except Exception as e:  # whatever stops the models from loading, the check did not run
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        result.could_not_run = f"cannot load the models ({first})"
+        return result
+    body, origin = load_text(text, "eval")
+    windows = token_windows(tokenizer, body, ctx, max_windows)
+    say(f"teacher-forced KLD over {len(windows)} windows of {ctx} tokens from {origin} ...")
+    fid = teacher_forced(reference, quantized, windows, progress=lambda done, total: step("KLD windows", done, total))
+    if greedy_tokens:
+        say(f"greedy generation, {greedy_tokens} tokens per prompt ...")
+        greedy_agreement(reference, quantized, tokenizer, greedy_tokens, fid,
+                         progress=lambda done, total: step("greedy prompts", done, total))
+    report["fidelity"] = {**fid.as_dict(), "text": origin, "ctx": ctx}
+    numbers.append(f"KLD vs source over {fid.tokens_scored} tokens ({origin}, ctx {ctx}): mean {fid.kld_mean:.5f}, "
+                   f"p99.9 {fid.kld_p999:.4f}, max {fid.kld_max:.4f}; top-1 agreement {100 * fid.top1_agreement:.2f}%")
+    numbers.append(f"perplexity: source {fid.ppl_reference:.4f}, quantized {fid.ppl_quantized:.4f}, "
+                   f"ratio {fid.ppl_ratio:.4f}")
+    if greedy_tokens:
+        numbers.append(f"greedy exact match: {fid.greedy_matches}/{fid.greedy_total} prompts ({greedy_tokens} tokens)")
+    if max_kld is not None and fid.kld_mean > max_kld:
+        result.fail(f"mean KLD {fid.kld_mean:.5f} exceeds --max-kld {max_kld}")
+    return result
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """PNG: per-tensor SNR by layer and projection, and the greedy/KLD numbers in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tensors = report.get("tensors") or {}
+    fig, ax = plt.subplots(figsize=(12, 5))
+    kinds: dict[str, list[tuple[int, float]]] = {}
+    for position, (module, stats) in enumerate(tensors.items()):
+        parts = module.split(".")
+        layer = next((int(p) for p in parts if p.isdigit()), -1)
+        kinds.setdefault(parts[-1], []).append((layer, stats["snr_db"] if stats["snr_db"] is not None else float("nan")))
+    for kind, points in sorted(kinds.items()):
+        points.sort()
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", linestyle="-" if len(points) > 1 else "none", label=kind)
+    ax.set_xlabel("decoder layer (-1: not in a layer)")
+    ax.set_ylabel("SNR of the dequantized weight (dB)")
+    title = f"{report['checkpoint']}: {'PASS' if report['ok'] else 'FAIL'}"
+    fid = report.get("fidelity")
+    if fid:
+        title += (f" | KLD {fid['kld_mean']:.4f}, top-1 {100 * fid['top1_agreement']:.1f}%, "
+                  f"ppl ratio {fid['ppl_ratio']:.3f}, greedy {fid['greedy_matches']}/{fid['greedy_total']}")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,49 @@
+"""Progress on stderr: plain lines with rate and ETA off a terminal (one per tenth for bytes), a
+tqdm bar on one."""
+
+import re
+import time
+
+import quantizer.cli.progress as cli_progress
+from quantizer.cli.progress import StepReporter, Steps
+
+
+def test_off_a_terminal_each_step_is_one_plain_line_with_rate_and_eta(capsys):
+    report = StepReporter(unit="layer")
+    report("layer", 1, 4)  # resumed after one layer: the clock starts here, nothing is printed
+    for done in range(2, 5):
+        time.sleep(0.01)
+        report("layer", done, 4, f"quantized in 0.{done} s")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("int4q: layer 2/4 quantized in 0.2 s (")
+    assert all(re.search(r"\(\d+\.\d\d layer/s, ETA \d+ s\)$", line) for line in lines)
+    assert lines[-1].endswith("ETA 0 s)") and report.open == {}
+
+
+def test_slow_steps_show_seconds_per_step(capsys):
+    steps = Steps("layer", 3, unit="layer")
+    steps.started -= 120  # as if the first layer took two minutes
+    steps.update(1)
+    assert "(120.0 s/layer, ETA 240 s)" in capsys.readouterr().err
+
+
+def test_byte_counts_print_at_most_one_line_per_tenth(capsys):
+    steps = Steps("quantize", 1000, unit="B", every=0.1)
+    for done in range(10, 1001, 10):
+        steps.update(done)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10 and "MB/s" in lines[0]
+
+
+def test_disabled_progress_prints_nothing(capsys):
+    StepReporter(enabled=False)("layer", 1, 1)
+    assert capsys.readouterr().err == ""
+
+
+def test_on_a_terminal_it_is_a_tqdm_bar(capsys, monkeypatch):
+    monkeypatch.setattr(cli_progress, "is_terminal", lambda: True)
+    report = StepReporter(unit="window")
+    report("KLD windows", 1, 2)
+    report("KLD windows", 2, 2)
+    err = capsys.readouterr().err
+    assert "KLD windows" in err and "2/2" in err and "window/s" in err and "int4q:" not in err

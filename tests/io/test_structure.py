@@ -1,0 +1,58 @@
+"""The model's own module tree decides which tensors are linears, the table and the head."""
+
+import pytest
+
+from quantizer.io.checkpoint import read_config
+from quantizer.errors import UnsupportedError
+from quantizer.io.structure import architecture_mismatches, build_empty_model, decoder_layers, inspect_structure
+
+from conftest import save_tiny_llama
+
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_the_structure_of_a_tied_llama(tiny_model):
+    s = inspect_structure(read_config(tiny_model))
+    assert (s.embedding, s.head, s.tied) == ("model.embed_tokens", "lm_head", True)
+    assert len(s.decoder_linears) == 2 * len(LINEARS) and "lm_head" not in s.decoder_linears
+    assert s.quantized_modules((), True, True) == [*s.decoder_linears, "model.embed_tokens"]
+    assert s.quantized_modules(("down_proj",), False, False) == [
+        *[m for m in s.decoder_linears if not m.endswith("down_proj")], "lm_head"]
+    assert "lm_head" not in s.quantized_modules(("lm_head",), True, False)
+
+
+def test_the_model_is_built_without_weights(tiny_model):
+    model = build_empty_model(read_config(tiny_model))
+    assert all(p.is_meta for p in model.parameters())
+    name, layers = decoder_layers(model)
+    assert name == "model.layers" and len(layers) == 2
+
+
+def test_mismatches_name_missing_misshaped_and_stray_tensors(tmp_path):
+    path = save_tiny_llama(tmp_path / "m", tie=False, shard=None)
+    model = build_empty_model(read_config(path))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert architecture_mismatches(model, shapes) == []
+    del shapes["lm_head.weight"]
+    shapes["model.norm.weight"] = (7,)
+    shapes["model.extra"] = (1,)
+    assert architecture_mismatches(model, shapes) == [
+        "model.norm.weight: shape [7], the model expects [128]", "lm_head.weight: missing",
+        "model.extra: stray tensor the model has no place for"]
+    assert architecture_mismatches(model, {k: v for k, v in shapes.items() if k != "model.extra"},
+                                   tied_head="lm_head") == ["model.norm.weight: shape [7], the model expects [128]"]
+
+
+def test_an_unknown_model_type_is_one_clear_error():
+    with pytest.raises(UnsupportedError, match="cannot build model_type 'no-such-arch'"):
+        inspect_structure({"model_type": "no-such-arch"})
+
+
+def test_scaled_embeddings_and_untied_heads_are_found_from_the_module_tree():
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+    s = inspect_structure(cfg.to_dict())
+    assert (s.embedding, s.head, s.tied) == ("model.embed_tokens", "lm_head", False)
+    assert "lm_head" in s.linears and "lm_head" in s.quantized_modules((), True, False)
