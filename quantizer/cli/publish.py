@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def push(folder, repo_id, private, revision, commit_message, endpoint, token, dr
         hub.check_publishable(folder)
     if dry_run:
         files = hub.upload_files(folder)
-        if not (folder / CARD_NAME).exists():
+        if not os.path.lexists(folder / CARD_NAME):
             click.echo(f"{CARD_NAME:<50} (generated model card)")
         for f in files:
             click.echo(f"{f.path:<50} {f.size:>14,} bytes")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..errors import InputError, Int4qError
 from ..formats import RUNTIME_FORMAT, format_of_config
+from ..io.aux_files import leaves
+from ..io.outdir import write_new_file
 from .card import CARD_NAME, model_card, read_json
 
 log = logging.getLogger(__name__)
@@ -28,11 +30,18 @@ class UploadFile:
 
 
 def upload_files(folder: Path) -> list[UploadFile]:
-    """What a push sends: every file under ``folder`` except hidden ones (partial runs, caches)."""
+    """What a push sends: every file under ``folder`` except hidden ones (partial runs, caches).
+    InputError names a link that resolves outside the folder (or nowhere): it is never sent."""
+    root = Path(folder).resolve()
     files = []
     for p in sorted(Path(folder).rglob("*")):
         rel = p.relative_to(folder)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_symlink() and (not p.exists() or leaves(p, [root])):
+            raise InputError(f"{p} is a link to {os.readlink(p)}, outside {folder}; push sends only the folder's own "
+                             "files: replace the link with the file, or remove it")
+        if p.is_file():
             files.append(UploadFile(rel.as_posix(), p.stat().st_size))
     return files
 
@@ -93,9 +102,9 @@ def push(folder: Path, repo_id: str, token: str | None, endpoint: str | None, pr
     enable_progress_bars() if show_bars else disable_progress_bars()
     folder = Path(folder)
     card = folder / CARD_NAME
-    wrote_card = not card.exists()
+    wrote_card = not os.path.lexists(card)  # a link named README.md, even a dangling one, is the user's
     if wrote_card:
-        card.write_text(model_card(folder, repo_id))
+        write_new_file(card, model_card(folder, repo_id))
     try:
         return _upload(folder, repo_id, token, endpoint, private, revision, commit_message)
     except BaseException:

@@ -1,11 +1,10 @@
-"""Checkpoint input: config.json, tensors read one at a time from safetensors shards, and the
-tokenizer files copied beside an output. Nothing here knows about quantization."""
+"""Checkpoint input: config.json and tensors read one at a time from safetensors shards. Nothing
+here knows about quantization."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,6 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".msgpack", ".h5", *PICKLE_SUFFIXES)
-NOT_COPIED = {"config.json", "README.md", ".gitattributes", "quantization_report.json", "verify_report.json"}
 
 _DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -57,7 +55,9 @@ def read_config(model_dir: Path) -> dict:
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
-    """Parse a safetensors header and check the file holds every byte it promises.
+    """Parse a safetensors header and check it as the safetensors library does: a JSON object
+    without repeated keys, each tensor's dtype, shape and offsets well-formed, the tensors'
+    byte ranges non-negative, non-overlapping and inside the file.
 
     Returns (offset of the data section, header dict)."""
     try:
@@ -69,15 +69,51 @@ def _read_header(path: Path) -> tuple[int, dict]:
             (hlen,) = struct.unpack("<Q", raw)
             if hlen > min(size - 8, 100_000_000):
                 raise InputError(f"{path.name}: corrupt safetensors header (length {hlen}, file {size} bytes)")
-            header = json.loads(f.read(hlen))
+            header = json.loads(f.read(hlen), object_pairs_hook=_refuse_repeated_keys)
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise InputError(f"{path.name}: corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except ValueError as e:
+        raise InputError(f"{path.name}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path.name}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    end = _check_ranges(path, {k: v for k, v in header.items() if k != "__metadata__"})
     if 8 + hlen + end > size:
         raise InputError(f"{path.name}: truncated: header promises {8 + hlen + end} bytes, file has {size}")
     return 8 + hlen, header
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    repeated = next((k for k in keys if keys.count(k) > 1), None)
+    if repeated is not None:
+        raise ValueError(f"{repeated!r} appears twice")
+    return dict(pairs)
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_ranges(path: Path, entries: dict) -> int:
+    """Every entry's form, and byte ranges that do not overlap; returns where the last one ends."""
+    ranges = []
+    for name, meta in entries.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if (not isinstance(meta.get("dtype") if isinstance(meta, dict) else None, str)
+                or not isinstance(shape, list) or not all(map(_is_index, shape))
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_index, offsets))
+                or offsets[0] > offsets[1]):
+            raise InputError(f"{path.name}: corrupt header entry for {name} (it needs a dtype, a shape of "
+                             "non-negative integers and data_offsets [start, end] with 0 <= start <= end)")
+        ranges.append((offsets[0], offsets[1], name))
+    ranges.sort()
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise InputError(f"{path.name}: corrupt header: the bytes of {first} and {second} overlap")
+    return max((end for _, end, _ in ranges), default=0)
 
 
 class CheckpointReader:
@@ -160,20 +196,6 @@ def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
             "convert them to safetensors with a tool you trust"
         )
     raise InputError(f"{model_dir}: no safetensors weights found")
-
-
-def copy_aux_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation-config and chat-template files (everything but weights,
-    config.json, hidden files and the source's model card). Returns the names copied."""
-    copied = []
-    for p in sorted(Path(src).iterdir()):
-        if not p.is_file() or p.name in NOT_COPIED or p.name.startswith(".") or p.name.endswith(".index.json"):
-            continue
-        if p.suffix in WEIGHT_SUFFIXES:
-            continue
-        shutil.copy2(p, Path(dst) / p.name)
-        copied.append(p.name)
-    return copied
 
 
 def write_json(path: Path, obj: dict) -> None:

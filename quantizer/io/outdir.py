@@ -7,6 +7,7 @@ empty), and never when it is, or holds, one of the inputs. Nothing else is ever 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -17,6 +18,36 @@ from ..errors import InputError, UsageError
 from ..spec.config import QUANT_METHOD
 
 REPORT_NAME = "quantization_report.json"
+
+
+def lock_path(out: Path) -> Path:
+    """The lock a run holds while it writes ``out``: beside it, hidden, removed when the run ends."""
+    out = Path(out).resolve()
+    return out.parent / f".{out.name}.int4q-lock"
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock for the duration; InputError at once when another run holds it."""
+    path = lock_path(out)
+    busy = InputError(f"another int4q run is writing {out}; wait for it to finish, or choose another --out")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:  # its holder removed it after we opened it
+                raise busy
+        except FileNotFoundError:
+            raise busy from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def partial_dir(out: Path) -> Path:
@@ -89,9 +120,15 @@ def atomic_output_dir(
     """Yield the partial folder; on success it replaces ``out``. On failure it is removed, or
     kept (``keep_partial``) for a later run to resume from. An existing partial folder is reused
     when ``resume`` and cleared otherwise. ``out`` is checked by :func:`check_output_target`
-    before anything is created."""
+    before anything is created, and again under its lock (another run may have finished it)."""
     target = check_output_target(out, overwrite, inputs, replaceable)
     target.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(target):
+        check_output_target(out, overwrite, inputs, replaceable)
+        yield from _built_aside(target, keep_partial, resume)
+
+
+def _built_aside(target: Path, keep_partial: bool, resume: bool) -> Iterator[Path]:
     tmp = partial_dir(target)
     if tmp.exists() and not resume:
         shutil.rmtree(tmp)
@@ -109,3 +146,11 @@ def atomic_output_dir(
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(target)
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """Create ``path`` with ``text``; never through a link, never over an existing file (both are
+    an OSError: FileExistsError, or ELOOP for a link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)

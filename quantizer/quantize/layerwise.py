@@ -44,7 +44,7 @@ from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
-from .streamed import quantize_module
+from .streamed import quantize_module, refuse_non_finite
 
 Say = Callable[[str], None]
 Step = Callable[[str, int, int, str], None]  # (what, done, total, note)
@@ -145,13 +145,14 @@ def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, p
     if not ranks.is_main:
         return {}
     weight = plan.reader.get(plan.targets[head]).to(ranks.device)
-    result = _solve(method, head, weight, acc, plan.scheme_of(head))
+    result = _solve(plan, method, head, weight, acc, plan.scheme_of(head))
     return _record(plan, head, weight.shape, *result, per_tensor)
 
 
-def _solve(method, module: str, weight: torch.Tensor, stats, scheme: ModuleScheme):
-    """``method.quantize`` for one module; a Hessian no damping repairs becomes one line naming
-    the module and the knobs that help."""
+def _solve(plan, method, module: str, weight: torch.Tensor, stats, scheme: ModuleScheme):
+    """``method.quantize`` for one module (refused where the weight is not finite); a Hessian no
+    damping repairs becomes one line naming the module and the knobs that help."""
+    refuse_non_finite(plan, module, weight)
     try:
         return method.quantize(weight, stats, scheme)
     except NotPositiveDefinite as e:
@@ -187,7 +188,8 @@ def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor
             acc.merge(ranks.sum_)
         linears = [layer.get_submodule(name) for name in step]
         owners = ranks.owner_of([linear.weight.numel() for linear in linears])
-        mine = {name: _solve(method, f"{prefix}.{name}", linear.weight, acc, plan.scheme_of(f"{prefix}.{name}"))
+        mine = {name: _solve(plan, method, f"{prefix}.{name}", linear.weight, acc,
+                             plan.scheme_of(f"{prefix}.{name}"))
                 for name, linear, owner in zip(step, linears, owners) if owner == ranks.rank}
         del acc
         for name, linear, owner in zip(step, linears, owners):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..io.checkpoint import copy_aux_files, write_json
+from ..io.aux_files import copy_aux_files
+from ..io.checkpoint import write_json
 from ..io.outdir import REPORT_NAME
 from ..memory import peak_rss_mb
 from .planning import QuantizationPlan

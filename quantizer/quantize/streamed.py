@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import InputError
 from ..io.shards import ShardWriter
 from ..memory import release_free_memory
 from ..methods import UNCALIBRATED, get_method
@@ -20,8 +21,17 @@ ProgressFn = Callable[[str, int], None]
 TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor measured 37% slower on a 6 GB model
 
 
+def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> None:
+    """InputError when a weight about to be quantized holds NaN or infinite values."""
+    bad = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise InputError(f"{plan.targets[module]} holds {bad} NaN or infinite values, which no grid can hold; fix the "
+                         f"checkpoint, or keep {module} in bf16 with --ignore {module}")
+
+
 def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     """One module by round-to-nearest: its checkpoint tensors in the plan's format and its report entry."""
+    refuse_non_finite(plan, module, weight)
     method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search), plan.format.integer_zero)
     q, stats = method.quantize(weight, None, plan.scheme_of(module))
     tensors = plan.format.tensors(module, q)

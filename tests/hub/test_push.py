@@ -225,3 +225,31 @@ def test_the_card_names_the_base_model_the_quantize_run_recorded(tiny_model, tmp
     assert result.exit_code == 0, result.output
     meta = yaml.safe_load(model_card(out, "alice/tiny-int4").split("---", 2)[1])
     assert meta["base_model"] == "alice/tiny-llama"
+
+
+def test_a_link_out_of_the_folder_is_refused_before_anything_is_sent(hub, folder, tmp_path):
+    secret = tmp_path / "hf-token"
+    secret.write_text("hf_secret")
+    (folder / "notes.txt").symlink_to(secret)
+    for extra in ([], ["--dry-run"]):
+        result = push(folder, hub.url, "--repo-id", "alice/leak", *extra)
+        assert result.exit_code == 1 and "notes.txt is a link to" in result.output, result.output
+        assert "Traceback" not in result.output
+    assert "alice/leak" not in hub.state.repos and not (folder / "README.md").exists()
+
+
+def test_the_card_is_never_written_through_a_readme_link(hub, folder, tmp_path):
+    elsewhere = tmp_path / "elsewhere.md"
+    (folder / "README.md").symlink_to(elsewhere)  # dangling: exists() is False
+    result = push(folder, hub.url, "--repo-id", "alice/card")
+    assert result.exit_code == 1 and "README.md is a link to" in result.output, result.output
+    assert not elsewhere.exists() and (folder / "README.md").is_symlink()
+
+
+def test_dry_run_lists_exactly_what_a_push_sends(hub, folder):
+    from quantizer.hub.push import upload_files
+
+    result = push(folder, hub.url, "--repo-id", "alice/dry", "--dry-run")
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.stdout.splitlines()[:-1]]
+    assert listed == ["README.md", *(f.path for f in upload_files(folder))]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantizer.io.checkpoint import CheckpointReader, copy_aux_files
+from quantizer.io.checkpoint import CheckpointReader
 from quantizer.errors import InputError
 
 
@@ -56,10 +56,37 @@ def test_pickle_only_checkpoint_is_refused_without_unpickling(tmp_path):
         CheckpointReader(tmp_path)
 
 
-def test_aux_files_are_copied_but_not_weights_or_model_card(tmp_path):
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir(), dst.mkdir()
-    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json", "config.json", "README.md",
-                 "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", ".int4q-bundled"):
-        (src / name).write_text("x")
-    assert copy_aux_files(src, dst) == ["chat_template.jinja", "generation_config.json", "tokenizer.json"]
+def _with_header(tmp_path, header_text: str, data: bytes = b"\0" * 64):
+    """A model folder whose only shard has this raw header text and data section."""
+    (tmp_path / "config.json").write_text("{}")
+    raw = header_text.encode()
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return tmp_path
+
+
+ENTRY = '"dtype": "F32", "shape": [4], "data_offsets": [%d, %d]'
+MALFORMED = {
+    "overlapping offsets": ('{"a": {%s}, "b": {%s}}' % (ENTRY % (0, 16), ENTRY % (8, 24)), "overlap"),
+    "negative offsets": ('{"a": {%s}}' % (ENTRY % (-16, 0)), "corrupt header entry for a"),
+    "a repeated key": ('{"a": {%s}, "a": {%s}}' % (ENTRY % (0, 16), ENTRY % (16, 32)), "'a' appears twice"),
+    "a JSON list": ('[1, 2]', "a JSON list, not an object"),
+    "a string entry": ('{"a": "x"}', "corrupt header entry for a"),
+    "no data_offsets": ('{"a": {"dtype": "F32", "shape": [4]}}', "corrupt header entry for a"),
+    "string offsets": ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}}', "corrupt header entry"),
+    "50,000-deep nesting": ('{"a": ' + "[" * 50_000 + "]" * 50_000 + "}", "corrupt safetensors header"),
+    "offsets past the file": ('{"a": {%s}}' % (ENTRY % (0, 4096)), "truncated"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_header_is_one_clear_error_as_the_safetensors_library_refuses_it(tmp_path, case):
+    from safetensors import safe_open
+
+    header, message = MALFORMED[case]
+    d = _with_header(tmp_path, header)
+    with pytest.raises(InputError, match=message) as caught:
+        CheckpointReader(d)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(Exception):  # the library refuses it too, in its own words
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]

@@ -161,3 +161,32 @@ def test_partial_folder_is_kept_for_resume_and_cleared_otherwise(tmp_path):
             raise KeyboardInterrupt
     with atomic_output_dir(tmp_path / "b", overwrite=False, keep_partial=True) as fresh:
         assert not (fresh / "stale").exists()
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_writes(tiny_model, tmp_path):
+    from quantizer.io.outdir import lock_path, output_lock, partial_dir
+
+    out = tmp_path / "q"
+    with output_lock(out):  # the first run, still writing
+        partial_dir(out).mkdir()
+        (partial_dir(out) / "model.safetensors").write_bytes(b"half")
+        result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model), "--out", str(out), "--no-progress"])
+        assert result.exit_code == 1 and f"another int4q run is writing {out}" in result.output, result.output
+        assert (partial_dir(out) / "model.safetensors").read_bytes() == b"half"  # untouched
+    assert not lock_path(out).exists()
+    partial_dir(out).joinpath("model.safetensors").unlink()
+    partial_dir(out).rmdir()
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert not lock_path(out).exists() and not partial_dir(out).exists()
+
+
+def test_the_lock_refuses_a_second_holder_and_passes_on_when_released(tmp_path):
+    from quantizer.io.outdir import output_lock
+
+    with output_lock(tmp_path / "q"):
+        with pytest.raises(InputError, match="another int4q run"):
+            with output_lock(tmp_path / "q"):
+                pass
+    with output_lock(tmp_path / "q"):
+        pass
