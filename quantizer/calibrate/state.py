@@ -13,10 +13,14 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..io.shards import write_safetensors
+from ..io.shards import file_specs, write_safetensors
 from .ranks import SINGLE, Ranks
 
 log = logging.getLogger(__name__)
+
+
+class BadResumeState(InputError):
+    """The saved state cannot be resumed from: resuming again would fail the same way."""
 STATE_DIR = ".calibration-state"
 
 
@@ -69,13 +73,18 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
         state = json.loads(path.read_text())
         done = int(state["layers_done"])
     except (ValueError, KeyError, TypeError):
-        raise InputError(f"{path} is corrupt; {restart}") from None
+        raise BadResumeState(f"{path} is corrupt; {restart}") from None
     if state.get("fingerprint") != fp:
-        raise InputError(f"the interrupted run was made with different inputs or settings; {restart}")
+        raise BadResumeState(f"the interrupted run was made with different inputs or settings; {restart}")
     needed = [layer_file(state_dir, i) for i in range(done)] + ([hidden_file(state_dir, done, ranks)] if done else [])
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
-        raise InputError(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
+        raise BadResumeState(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
+    for saved in needed:  # every file now, not when the output is written after the remaining layers
+        try:
+            file_specs(saved)
+        except InputError as e:
+            raise BadResumeState(f"the saved state in {state_dir} is damaged ({e}); {restart}") from None
     return state
 
 
@@ -84,7 +93,7 @@ def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor
     path = hidden_file(state_dir, layers_done, ranks)
     missing = ranks.sum_(torch.tensor([0.0 if path.is_file() else 1.0]))
     if missing.item():
-        raise InputError(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
+        raise BadResumeState(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
                          f"their hidden states after layer {layers_done}); resume with the same processes on the "
                          "same machines, or rerun without --resume to start over")
     return read_safetensors(path)["hidden"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -16,9 +17,11 @@ from ..errors import Int4qError, InterruptedRun, UsageError
 
 class Int4qGroup(click.Group):
     """Maps library errors to one line on stderr and exit 1; never prints a traceback unless
-    INT4Q_DEBUG=1."""
+    INT4Q_DEBUG=1. SIGTERM and SIGHUP stop a command as Ctrl-C does: its partial output is
+    removed (or kept for --resume), and the exit code is 128 + the signal."""
 
     def invoke(self, ctx):
+        previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
         try:
             return super().invoke(ctx)
         except BaseException as e:
@@ -26,6 +29,9 @@ class Int4qGroup(click.Group):
             if isinstance(e, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit)):
                 raise
             self._exit_for(e)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     @staticmethod
     def _exit_for(e: BaseException):
@@ -36,6 +42,9 @@ class Int4qGroup(click.Group):
             raise click.UsageError(str(e) + kept) from None
         if isinstance(e, Int4qError):
             raise click.ClickException(_rank_prefix(e) + str(e) + kept) from None
+        if isinstance(e, Stopped):
+            click.echo(f"int4q: stopped by {e.signal.name}" + kept, err=True)
+            sys.exit(128 + e.signal)
         if isinstance(e, KeyboardInterrupt):
             click.echo("int4q: interrupted" + kept, err=True)
             sys.exit(130)
@@ -51,6 +60,21 @@ class Int4qGroup(click.Group):
         raise click.ClickException(
             f"{_rank_prefix(e)}internal error: {type(e).__name__}: {first} (set INT4Q_DEBUG=1 for the traceback)" + kept
         ) from None
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # kill, timeout, schedulers, a closed terminal
+
+
+class Stopped(BaseException):
+    """A stop signal arrived; raised where the program was, so every cleanup on the way out runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signal = signal.Signals(signum)
+
+
+def _stop(signum, frame):
+    raise Stopped(signum)
 
 
 OS_ERRORS = {

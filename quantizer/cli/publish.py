@@ -43,6 +43,9 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
         torch.set_num_threads(threads)
     if max_kld is not None and source is None:
         raise click.UsageError("--max-kld needs --reference (the source to compare against)")
+    for option, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None and not path.parent.is_dir():
+            raise click.BadParameter(f"{path.parent} is not a folder; create it or write elsewhere", param_hint=option)
     if plot_path is not None:
         try:
             import matplotlib  # noqa: F401
@@ -80,10 +83,12 @@ def push(folder, repo_id, private, revision, commit_message, endpoint, token, dr
     """Publish a quantized folder to the Hugging Face Hub in one commit, with a model card."""
     from ..hub import push as hub
     from ..hub.card import CARD_NAME
+    from ..io.source import HUB_ID
     from .progress import is_terminal
 
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise click.BadParameter("expected namespace/name", param_hint="--repo-id")
+    if HUB_ID.fullmatch(repo_id) is None:
+        raise click.BadParameter("expected namespace/name, each starting with a letter or digit",
+                                 param_hint="--repo-id")
     if not no_verify:
         hub.check_publishable(folder)
     if dry_run:

@@ -10,7 +10,18 @@ import click
 from ..formats import NAMES as FORMAT_NAMES
 from ..formats import RUNTIME_FORMAT
 from ..quantize.recipes import RECIPES
-from ..spec.methods import METHODS, NAMES as METHOD_NAMES, UNCALIBRATED
+from ..spec.methods import METHODS, UNCALIBRATED
+from ..spec.methods import NAMES as METHOD_NAMES
+
+
+def _size(value: str) -> int:
+    from ..errors import InputError
+    from ..io.shards import parse_size
+
+    try:
+        return parse_size(value)
+    except InputError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _bits(value: str | None) -> int | None:
@@ -48,7 +59,8 @@ def _bits(value: str | None) -> int | None:
 @click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16 (--embedding-bits 16).")
 @click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
-@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest output shard, e.g. 2GB, 500MB.")
+@click.option("--max-shard-size", default="2GB", show_default=True, callback=lambda ctx, param, value: _size(value),
+              help="Largest output shard, e.g. 2GB, 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--base-model", metavar="OWNER/NAME",
               help="The source's Hub id for the model card, when --model is a local folder whose config "
@@ -82,7 +94,6 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
              calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from ..calibrate.windows import CalibrationSettings
-    from ..io.shards import parse_size
     from ..memory import peak_rss_mb
     from ..methods.gptq_method import GptqSettings
     from ..quantize.planning import QuantizeOptions
@@ -93,7 +104,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     options = QuantizeOptions(
         group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
         keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
-        max_shard_bytes=parse_size(max_shard_size), method=method, checkpoint_format=checkpoint_format,
+        max_shard_bytes=max_shard_size, method=method, checkpoint_format=checkpoint_format,
         recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
         overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
     )

@@ -84,8 +84,10 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
     click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} tg{gen_tokens}, "
                f"{reps} reps (best / median)")
     for name, r in out["arms"].items():
-        click.echo(f"{name:>9}: pp {r['pp_best']} / {r['pp_median']} tok/s   tg {r['tg_best']} / {r['tg_median']} tok/s"
-                   f"   RssAnon after load {r['rss_anon_after_load_mb']} MiB   ({r['decode_path']} decode)")
+        pp = f"pp {r['pp_best']} / {r['pp_median']} tok/s   " if prompt_tokens else ""
+        tg = f"tg {r['tg_best']} / {r['tg_median']} tok/s   " if gen_tokens else ""
+        click.echo(f"{name:>9}: {pp}{tg}RssAnon after load {r['rss_anon_after_load_mb']} MiB   "
+                   f"({r['decode_path']} decode)")
     if "ratios_int4_over_baseline" in out:
         click.echo("    ratio: " + ", ".join(f"{k} {v}" for k, v in out["ratios_int4_over_baseline"].items()))
     click.echo(f"peak RSS of the process {out['peak_rss_mb']} MiB")

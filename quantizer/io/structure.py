@@ -41,10 +41,37 @@ class ModelStructure:
         return modules
 
 
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+"""Sizes that must be positive integers wherever a config gives them (null: the model's default)."""
+
+
+def check_sizes(config_dict: dict) -> None:
+    """InputError naming the first size in config.json (or its text_config) that is not a positive integer."""
+    for where, cfg in (("", config_dict), ("text_config.", config_dict.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for key in SIZE_KEYS:
+            value = cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"config.json: {where}{key} is {value!r}; it must be a positive integer")
+
+
+def check_layer_count(config_dict: dict, tensor_count: int) -> None:
+    """InputError when config.json promises more decoder layers than the checkpoint has tensors (each
+    layer has at least one), before a model of that many layers is built."""
+    cfg = config_dict.get("text_config") if isinstance(config_dict.get("text_config"), dict) else config_dict
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
+    if isinstance(layers, int) and layers > tensor_count:
+        raise InputError(f"config.json says {layers} layers, but the checkpoint holds only {tensor_count} tensors; "
+                         "fix num_hidden_layers or point at the checkpoint it describes")
+
+
 def build_config(config_dict: dict):
-    """A transformers config object from a config.json dict (no network)."""
+    """A transformers config object from a config.json dict (no network); its sizes are checked first."""
     from transformers import AutoConfig
 
+    check_sizes(config_dict)
     cfg = dict(config_dict)
     model_type = cfg.pop("model_type", None)
     if model_type is None:

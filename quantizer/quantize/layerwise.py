@@ -65,6 +65,15 @@ def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader,
         capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(device, dtype))
 
 
+def _materialize_before_layers(model: torch.nn.Module, layers_name: str, plan: QuantizationPlan, device: str) -> None:
+    """Load, in fp32, every parameter outside the decoder layers and the head that the forward up to
+    the first layer may read (GPT-2's position table, say); the head's inputs are loaded later."""
+    head = plan.structure.head
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and not name.startswith(layers_name + ".") and not (head and name.startswith(head + ".")):
+            capture.set_param(model, name, plan.reader.get(name).to(device, torch.float32))
+
+
 def _buffers_to(model: torch.nn.Module, device: str) -> None:
     """Move the model's materialised buffers (rotary tables) to ``device``."""
     for module in model.modules():
@@ -96,6 +105,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
     _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16, ranks.device)  # a lookup: bf16 is exact
     # ...but its output must be fp32, or the model derives bf16 rotary tables from its dtype
     emb.register_forward_hook(lambda module, args, out: out.float())
+    _materialize_before_layers(model, layers_name, plan, ranks.device)
 
     per_tensor: dict[str, dict] = state.get("tensors", {})
     hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)

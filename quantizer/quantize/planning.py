@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,13 @@ from ..formats import RUNTIME_FORMAT, CheckpointFormat, get_format
 from ..formats.packing import PACK_N_ALIGN
 from ..io.checkpoint import CheckpointReader, TensorInfo, read_config
 from ..io.shards import TensorSpec
-from ..io.structure import ModelStructure, architecture_mismatches, build_empty_model, inspect_structure
+from ..io.structure import (
+    ModelStructure,
+    architecture_mismatches,
+    build_empty_model,
+    check_layer_count,
+    inspect_structure,
+)
 from ..spec.config import QuantizationConfig, matches_ignore
 from ..spec.methods import UNCALIBRATED, get_method
 from ..spec.scheme import KEPT_BITS, ModuleScheme
@@ -126,12 +133,14 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         method = config["quantization_config"].get("quant_method", "unknown")
         raise InputError(f"{model_dir} is already quantized ({method}); start from a bf16/fp16/fp32 checkpoint")
     reader = CheckpointReader(model_dir)
+    check_layer_count(config, len(reader.infos))
     structure = inspect_structure(config)
     infos = reader.infos
     _check_architecture(model_dir, config, structure, infos)
     for name, info in infos.items():
         if not isinstance(info.dtype, torch.dtype):
             raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
+    _check_overrides_match(options.overrides, structure)
     options, notes = _implied_options(options, structure)
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
@@ -154,6 +163,18 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     )
     return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
                             tied_output, notes=tuple(notes), fallbacks=fallbacks)
+
+
+def _check_overrides_match(overrides: tuple[Override, ...], structure: ModelStructure) -> None:
+    """InputError for an --override pattern that names no module of the model, with the nearest names."""
+    modules = [m for m in (*structure.linears, structure.embedding, structure.head) if m]
+    for o in overrides:
+        if not any(matches_ignore(m, (o.pattern,)) for m in modules):
+            names = {".".join(m.split(".")[i:]) for m in modules for i in range(len(m.split(".")))}
+            near = difflib.get_close_matches(o.pattern, sorted(names), n=3, cutoff=0.5)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            raise InputError(f"--override {o.pattern}={o.bits}: no module of this model is named {o.pattern} or ends "
+                             f"in .{o.pattern}{hint}")
 
 
 def _base_bits(module: str, structure: ModelStructure, options: QuantizeOptions, config: dict) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..calibrate import ranks as rank_session
 from ..calibrate.ranks import Ranks
-from ..calibrate.state import STATE_DIR
+from ..calibrate.state import STATE_DIR, BadResumeState
 from ..errors import InterruptedRun, UsageError
 from ..methods import NAMES as METHOD_NAMES
 from ..methods import get_method
@@ -109,7 +109,7 @@ def _run_calibrated(plan: QuantizationPlan, model_dir: Path, request: QuantizeRe
             return run_calibrated(plan, tmp, tokenizer, text, origin, request.windows, request.method_settings,
                                   resume=request.resume, progress=progress.say, ranks=ranks, step=progress.step)
     except BaseException as e:
-        if partial_dir(request.out).exists():
+        if partial_dir(request.out).exists() and not isinstance(e, BadResumeState):
             raise InterruptedRun(e, f"; the finished layers are kept in {partial_dir(request.out)}: rerun the same "
                                     "command with --resume to continue, or delete that folder") from e
         raise

@@ -12,7 +12,7 @@ import torch
 from ..errors import InputError, UnsupportedError
 from ..formats import cpu_int4, format_of_config
 from ..io.checkpoint import CheckpointReader, read_config
-from ..io.structure import build_empty_model, tie_word_embeddings
+from ..io.structure import build_empty_model, check_layer_count, tie_word_embeddings
 from ..memory import release_free_memory
 from ..spec.config import QuantizationConfig
 from .nn.fusion import fuse_projections
@@ -53,6 +53,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     config = read_config(path)
     qc = read_quantization_config(config)
     reader = CheckpointReader(path)
+    check_layer_count(config, len(reader.infos))
     model = build_empty_model(config)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = tie_word_embeddings(config) and head is not None

@@ -11,7 +11,13 @@ from pathlib import Path
 from ..errors import Int4qError
 from ..formats import cpu_int4, format_of_config
 from ..io.checkpoint import INDEX_NAME, CheckpointReader, read_config
-from ..io.structure import architecture_mismatches, build_empty_model, inspect_structure, tie_word_embeddings
+from ..io.structure import (
+    architecture_mismatches,
+    build_empty_model,
+    check_layer_count,
+    inspect_structure,
+    tie_word_embeddings,
+)
 from ..spec.config import QuantizationConfig
 
 FORMAT = cpu_int4.FORMAT
@@ -70,6 +76,7 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         if suffix in cpu_int4.SUFFIXES and module not in info.quantized:
             result.fail(f"{name}: stray tensor (no {module}{marker})")
     try:
+        check_layer_count(config, len(reader.infos))
         structure = inspect_structure(config)
     except Int4qError as e:
         result.fail(f"cannot build the architecture to check tensor names: {e}")

@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -178,3 +179,99 @@ def test_bench_without_prefill(tiny_q, tmp_path):
     assert result.exit_code == 0, result.output
     arm = json.loads((tmp_path / "b.json").read_text())["arms"]["int4"]
     assert arm["pp_median"] is None and arm["tg_median"] > 0 and arm["decode_path"] == "eager"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_keeps_the_finished_layers_and_says_so_like_ctrl_c(tiny_model_tok, tmp_path, monkeypatch, signum):
+    import quantizer.quantize.layerwise as layerwise
+    from quantizer.io.outdir import partial_dir
+
+    real = layerwise._materialize
+
+    def stop_at_layer_one(module, prefix, *a, **k):
+        if prefix.endswith("layers.1"):
+            os.kill(os.getpid(), signum)
+        return real(module, prefix, *a, **k)
+
+    monkeypatch.setattr(layerwise, "_materialize", stop_at_layer_one)
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
+                                       "gptq", "--nsamples", "2", "--seqlen", "64", "--no-progress"])
+    assert result.exit_code == 128 + signum, result.output
+    lines = [line for line in result.stderr.splitlines() if "stopped by" in line]
+    assert len(lines) == 1 and signal.Signals(signum).name in lines[0] and "--resume" in lines[0]
+    assert not out.exists() and partial_dir(out).exists() and "Traceback" not in result.output
+    assert signal.getsignal(signum) is signal.SIG_DFL  # the handler is the test process's own again
+    monkeypatch.setattr(layerwise, "_materialize", real)
+    resumed = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
+                                        "gptq", "--nsamples", "2", "--seqlen", "64", "--no-progress", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+
+
+def test_a_push_stopped_by_a_signal_removes_the_card_it_wrote(tiny_model_tok, tmp_path, monkeypatch):
+    import quantizer.hub.push as push
+
+    out = tmp_path / "q"
+    assert CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out),
+                                     "--no-progress"]).exit_code == 0
+    monkeypatch.setattr(push, "_upload", lambda *a, **k: os.kill(os.getpid(), signal.SIGHUP))
+    result = CliRunner().invoke(main, ["push", str(out), "--repo-id", "a/b", "--endpoint", "http://127.0.0.1:9"])
+    assert result.exit_code == 128 + signal.SIGHUP, result.output
+    assert "stopped by SIGHUP" in result.stderr and not (out / "README.md").exists()
+
+
+def test_a_shard_size_of_zero_is_bad_usage_naming_the_option(tiny_model, tmp_path):
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model), "--out", str(tmp_path / "q"),
+                                       "--max-shard-size", "0"])
+    assert result.exit_code == 2 and "--max-shard-size" in result.output and "positive" in result.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_repo_id_that_escapes_its_namespace_is_refused_before_any_check(tmp_path):
+    result = CliRunner().invoke(main, ["push", str(tmp_path), "--repo-id", "../evil"])
+    assert result.exit_code == 2 and "--repo-id" in result.output and "structural" not in result.output
+
+
+def test_a_decode_only_bench_prints_no_prefill_numbers(tiny_model_tok):
+    result = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--prompt-tokens", "0", "--gen-tokens", "4",
+                                       "--reps", "1", "--no-compile"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if "tg " in line and "RssAnon" in line)
+    assert "pp " not in line and "None" not in result.stdout
+
+
+def test_generate_stats_are_printed_when_decoding_falls_back_to_transformers(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import save_byte_tokenizer
+    from quantizer.runtime.decode import compiled
+
+    monkeypatch.setattr(compiled, "_warned", set())  # this process's once-only warnings stay as they were
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=256)).save_pretrained(src)
+    save_byte_tokenizer(src)
+    result = CliRunner().invoke(main, ["generate", str(src), "--prompt", "def f(x):", "--max-new-tokens", "5",
+                                       "--stats", "--no-compile"])
+    assert result.exit_code == 0, result.output
+    stats = [line for line in result.stderr.splitlines() if "time to first token" in line]
+    assert len(stats) == 1 and "(9 prompt tokens), then " in stats[0] and " tokens at " in stats[0], result.stderr
+
+
+def test_a_damaged_saved_layer_is_found_when_resuming_starts_and_never_advises_resume(tiny_model_tok, tmp_path,
+                                                                                      monkeypatch):
+    import quantizer.quantize.layerwise as layerwise
+    from quantizer.calibrate.state import STATE_DIR, layer_file
+    from quantizer.io.outdir import partial_dir
+
+    restore = interrupt_gptq_at_second_layer(monkeypatch)
+    args = ("quantize", "--model", tiny_model_tok, "--out", tmp_path / "g", "--method", "gptq", "--nsamples", 2,
+            "--seqlen", 32, "--no-progress")
+    assert run(*args).exit_code == 130
+    restore()
+    saved = layer_file(partial_dir(tmp_path / "g") / STATE_DIR, 0)
+    saved.write_bytes(saved.read_bytes()[:-64])
+    monkeypatch.setattr(layerwise, "_quantize_layer", lambda *a, **k: pytest.fail("redid a layer before checking"))
+    result = run(*args, "--resume")
+    assert result.exit_code == 1 and "the saved state in" in result.stderr and "is damaged" in result.stderr
+    assert "rerun without --resume" in result.stderr and "--resume to continue" not in result.stderr

@@ -6,7 +6,7 @@ from quantizer.io.checkpoint import read_config
 from quantizer.errors import UnsupportedError
 from quantizer.io.structure import architecture_mismatches, build_empty_model, decoder_layers, inspect_structure
 
-from conftest import save_tiny_llama
+from conftest import save_byte_tokenizer, save_tiny_llama
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -56,3 +56,45 @@ def test_scaled_embeddings_and_untied_heads_are_found_from_the_module_tree():
     s = inspect_structure(cfg.to_dict())
     assert (s.embedding, s.head, s.tied) == ("model.embed_tokens", "lm_head", False)
     assert "lm_head" in s.linears and "lm_head" in s.quantized_modules((), True, False)
+
+
+BAD_SIZES = {"vocab_size": 0, "hidden_size": -64, "num_attention_heads": 0, "intermediate_size": "big"}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_SIZES))
+def test_a_size_that_is_not_a_positive_integer_is_named_before_anything_is_built(tmp_path, key):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantizer.cli import main
+
+    src = save_tiny_llama(tmp_path / "bf16")
+    config = json.loads((src / "config.json").read_text())
+    config[key] = BAD_SIZES[key]
+    (src / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["quantize", "--model", str(src), "--out", str(tmp_path / "q")])
+    assert result.exit_code == 1 and f"config.json: {key} is {BAD_SIZES[key]!r}; it must be a positive integer" \
+        in result.output, result.output
+    assert "internal error" not in result.output
+
+
+def test_a_billion_layers_is_refused_against_the_shards_before_building(tmp_path):
+    import json
+    import time
+
+    from click.testing import CliRunner
+
+    from quantizer.cli import main
+
+    src = save_tiny_llama(tmp_path / "bf16")
+    save_byte_tokenizer(src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = 1_000_000_000
+    (src / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    for command in (["quantize", "--model", str(src), "--out", str(tmp_path / "q")], ["generate", str(src), "--prompt", "x"]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 1 and "config.json says 1000000000 layers, but the checkpoint holds only" \
+            in result.output, result.output
+    assert time.perf_counter() - start < 30  # nothing of that size was built

@@ -4,7 +4,6 @@ unless the user keeps it in bf16; verify's round trip catches non-finite values.
 import shutil
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 

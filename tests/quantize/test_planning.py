@@ -6,6 +6,7 @@ from safetensors.torch import load_file
 
 from quantizer.errors import InputError
 from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+from quantizer.quantize.recipes import Override
 from quantizer.quantize.streamed import run_quantization
 
 from conftest import save_tiny_llama
@@ -142,3 +143,11 @@ def test_table_and_head_bits_decide_tying(tiny_model, tmp_path):
     assert "model.layers.0.mlp.up_proj" not in plan.targets
     with pytest.raises(InputError, match="stores 4-bit modules only"):
         plan_quantization(untied, QuantizeOptions(checkpoint_format="gptq", head_bits=8))
+
+
+def test_an_override_that_names_no_module_is_an_error_with_the_nearest_names(tiny_model):
+    with pytest.raises(InputError, match=r"--override down_prj=8: no module of this model is named down_prj .*"
+                                         r"nearest: down_proj"):
+        plan_quantization(tiny_model, QuantizeOptions(overrides=(Override.parse("down_prj=8"),)))
+    plan = plan_quantization(tiny_model, QuantizeOptions(overrides=(Override.parse("mlp.down_proj=8"),)))
+    assert plan.scheme_of("model.layers.0.mlp.down_proj").bits == 8

@@ -198,3 +198,8 @@ def test_each_8_bit_corruption_fails_naming_the_tensor(good_mixed, tiny_model, t
     result = verify(bad, tiny_model)
     assert result.exit_code == 1, result.output
     assert message in result.stdout and result.stdout.strip().endswith("FAIL")
+
+
+def test_json_into_a_missing_folder_is_refused_before_verify_runs(tmp_path):
+    result = CliRunner().invoke(main, ["verify", str(tmp_path), "--json", str(tmp_path / "no" / "r.json")])
+    assert result.exit_code == 2 and "is not a folder" in result.output and "--json" in result.output

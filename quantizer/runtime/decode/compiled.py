@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from ..cache import cache_dir, machine_identity, runtime_source_digest
+from ..cache import (
+    UntrustedCache,
+    machine_identity,
+    matches_digest,
+    record_digest,
+    runtime_source_digest,
+    trusted_cache_dir,
+)
 from ..native.gemv import has_gemv
 from ..nn.int4 import Int4Linear
 from . import decoder as decoder_module
@@ -50,8 +57,8 @@ class StepMismatch(Exception):
 
 
 def compiled_dir() -> Path:
-    """Where compiled decode steps are saved (Inductor's code for them: ``cache_dir() / "inductor"``)."""
-    return cache_dir() / "compiled"
+    """Where compiled decode steps are saved (Inductor's code for them: beside, in ``inductor``)."""
+    return trusted_cache_dir() / "compiled"
 
 
 def artifact_path(model: torch.nn.Module) -> Path:
@@ -100,30 +107,29 @@ def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True) -> 
         return None
     decoder = FastDecoder(model, max(max_len, MIN_CACHE))
     if compile:
-        _compile(decoder, artifact_path(model))
+        try:
+            artifact = artifact_path(model)
+        except UntrustedCache as e:
+            _warn_once(f"{e}; compiling the decode step without loading or saving it there")
+            artifact = None
+        _compile(decoder, artifact)
     return decoder
 
 
 @torch.inference_mode()
-def _compile(decoder: FastDecoder, artifact: Path) -> None:
-    """Give the decoder its compiled single-token step: the saved one when it loads and matches
-    eager, else a fresh one (then saved); eager decoding after one warning when neither works."""
+def _compile(decoder: FastDecoder, artifact: Path | None) -> None:
+    """Give the decoder its compiled single-token step: the saved one when it is the file int4q
+    saved and it matches eager, else a fresh one (then saved, with its sha256); eager decoding
+    after one warning when neither works. ``artifact`` None: no cache to use."""
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
     if artifact in _steps:  # checked when this process loaded or compiled it
         decoder.compiled = _steps[artifact]
         return
-    with _inductor_cache():
-        if artifact.is_file():
-            try:
-                decoder.compiled = _load_step(artifact)
-                _check_against_eager(decoder)
-                _steps[artifact] = decoder.compiled
-                return
-            except Exception as e:  # a stale, damaged or mismatched file only costs a fresh compile
-                log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
-                decoder.compiled = None
+    with _inductor_cache() if artifact else contextlib.nullcontext():
+        if artifact and _load_saved(decoder, artifact):
+            return
         try:
             decoder.compiled = _aot_compile(decoder)
             _check_against_eager(decoder)
@@ -132,8 +138,27 @@ def _compile(decoder: FastDecoder, artifact: Path) -> None:
             _warn_once(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                        "decoding eagerly")
             return
-        _steps[artifact] = decoder.compiled
-        _save_step(decoder.compiled, artifact)
+        if artifact:
+            _steps[artifact] = decoder.compiled
+            _save_step(decoder.compiled, artifact)
+
+
+def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
+    """Whether the saved step was loaded: only a file whose sha256 int4q recorded, checked against eager."""
+    if not artifact.is_file():
+        return False
+    if not matches_digest(artifact):  # never unpickle a file int4q did not write as it is
+        log.info("recompiling: %s is not the step int4q saved (its sha256 differs or was never recorded)", artifact)
+        return False
+    try:
+        decoder.compiled = _load_step(artifact)
+        _check_against_eager(decoder)
+    except Exception as e:  # a stale or mismatched file only costs a fresh compile
+        log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
+        decoder.compiled = None
+        return False
+    _steps[artifact] = decoder.compiled
+    return True
 
 
 def _aot_compile(decoder: FastDecoder):
@@ -160,6 +185,7 @@ def _save_step(step, artifact: Path) -> None:
     try:
         artifact.parent.mkdir(parents=True, exist_ok=True)
         step.save_compiled_function(str(artifact))
+        record_digest(artifact)
     except (OSError, RuntimeError) as e:
         log.info("cannot save the compiled step to %s: %s", artifact, e)
 
@@ -193,4 +219,4 @@ def _inductor_cache():
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     except ImportError:
         return contextlib.nullcontext()
-    return temporary_cache_dir(str(cache_dir() / "inductor"))
+    return temporary_cache_dir(str(trusted_cache_dir() / "inductor"))

@@ -77,11 +77,15 @@ class GenerationStats:
     first_token_at: float | None = None
     last_token_at: float | None = None
 
+    def tick(self, tokens: int = 1) -> None:
+        """``tokens`` more new tokens are known now."""
+        self.last_token_at = time.perf_counter()
+        self.first_token_at = self.first_token_at or self.last_token_at
+        self.new_tokens += tokens
+
     def count(self, tokens: Iterator[int]) -> Iterator[int]:
         for token in tokens:
-            self.last_token_at = time.perf_counter()
-            self.first_token_at = self.first_token_at or self.last_token_at
-            self.new_tokens += 1
+            self.tick()
             yield token
 
 
@@ -95,16 +99,23 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
     stats.prompt_tokens = ids.shape[1]
     decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile)
     if decoder is None:
-        yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens)
+        yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens, stats)
         return
     tokens = fast_greedy(decoder, ids, max_new_tokens, eos_token_ids(model, tokenizer))
     yield from detokenize(tokenizer, stats.count(tokens))
 
 
-def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> Iterator[str]:
+def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tokens: int,
+                                stats: GenerationStats) -> Iterator[str]:
     from transformers import TextIteratorStreamer
 
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    class CountingStreamer(TextIteratorStreamer):
+        def put(self, value):
+            if not self.next_tokens_are_prompt:
+                stats.tick(value.numel())
+            super().put(value)
+
+    streamer = CountingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     errors: list[BaseException] = []
 
     def work():

@@ -59,12 +59,12 @@ def library_path(cxx: str | None = None) -> Path:
 
     import torch
 
-    from ..cache import cache_dir, machine_identity
+    from ..cache import machine_identity, trusted_cache_dir
 
     key = [source_digest(), _compiler_identity(compiler(cxx)), machine_identity(), torch.__version__,
            str(_cxx11_abi()), *COMPILE_FLAGS]
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
-    return cache_dir() / "native" / f"int4q_native-{digest}.so"
+    return trusted_cache_dir() / "native" / f"int4q_native-{digest}.so"
 
 
 def build(target: Path, cxx: str | None = None) -> Path:

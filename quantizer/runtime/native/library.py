@@ -9,6 +9,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..cache import UntrustedCache, matches_digest, record_digest
 from .build import LIBRARY_STEM, NativeUnavailable, build, library_path, source_digest
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,31 @@ def loaded_path() -> Path | None:
 
 def _load(torch) -> Path:
     path = installed_path()
-    if path is None:
+    if path is not None:
+        return _open(torch, path)
+    try:
         path = library_path()
-        if not path.is_file():
-            log.info("building int4q's native library (a source checkout without an installed one) -> %s", path)
-            build(path)
+    except UntrustedCache as e:
+        raise NativeUnavailable(str(e)) from None
+    fresh = not matches_digest(path)  # never load a file int4q did not build as it is
+    if fresh:
+        _build(path)
+    try:
+        return _open(torch, path)
+    except NativeUnavailable:
+        if fresh:
+            raise
+        _build(path)  # a damaged or foreign file: built again, once
+        return _open(torch, path)
+
+
+def _build(path: Path) -> None:
+    log.info("building int4q's native library (a source checkout without an installed one) -> %s", path)
+    build(path)
+    record_digest(path)
+
+
+def _open(torch, path: Path) -> Path:
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:

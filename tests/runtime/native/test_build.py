@@ -54,6 +54,9 @@ from quantizer.runtime.native import build, library
 library.installed_path = lambda: None  # a source checkout that was never installed
 if sys.argv[1] == "again":
     build.build = lambda *a, **k: sys.exit("compiled again")
+if sys.argv[1] == "truncated":  # the SIGBUS case: the cached file cut short
+    path = build.library_path()
+    path.write_bytes(path.read_bytes()[:4096])
 from quantizer.runtime.native import dequant, gemv
 simd, has_gemv = dequant.kernel().simd, gemv.has_gemv()
 print(library.loaded_path(), simd, has_gemv)
@@ -61,12 +64,13 @@ print(library.loaded_path(), simd, has_gemv)
 
 
 def test_a_checkout_without_the_installed_library_builds_it_once_on_first_use(tmp_path):
+    """...and a cached build that is not byte for byte the one it recorded is built again, never loaded."""
     env = {**os.environ, "INT4Q_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     runs = [subprocess.run([sys.executable, "-c", FIRST_USE, which], capture_output=True, text=True, env=env,
-                           timeout=600) for which in ("first", "again")]
+                           timeout=600) for which in ("first", "again", "truncated", "again")]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-500:] for r in runs]
-    first, again = (r.stdout.split() for r in runs)
-    assert first == again
+    first, again, rebuilt, after = (r.stdout.split() for r in runs)
+    assert first == again == rebuilt == after
     assert first[0].startswith(str(tmp_path / "cache" / "native"))
     library.ops()
     assert first[1:] == [str(torch.ops.int4q_native.dequant_level()), str(gemv.has_gemv())]  # as installed
