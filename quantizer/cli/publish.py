@@ -46,6 +46,9 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
     for option, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None and not path.parent.is_dir():
             raise click.BadParameter(f"{path.parent} is not a folder; create it or write elsewhere", param_hint=option)
+        if path is not None and path.is_symlink():
+            raise click.BadParameter(f"{path} is a link; int4q never writes through one: name the file itself",
+                                     param_hint=option)
     if plot_path is not None:
         try:
             import matplotlib  # noqa: F401

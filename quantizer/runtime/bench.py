@@ -125,12 +125,15 @@ def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps:
     report: machine, lengths, each arm's summary, int4/baseline ratios and the process's peak RSS."""
     import platform
 
+    from .decode.generation import check_positions
     from .loader import import_architecture, load_model
 
     import_architecture(model_dir)
     arms, results = {}, {}
     for name, path in [("int4", model_dir)] + ([("baseline", baseline)] if baseline else []):
         arms[name], results[name] = load_measured(load_model, path, name)
+        check_positions(arms[name].config, prompt_tokens + gen_tokens,
+                        f"--prompt-tokens {prompt_tokens} and --gen-tokens {gen_tokens}")
     run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile)
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

@@ -275,3 +275,12 @@ def test_a_damaged_saved_layer_is_found_when_resuming_starts_and_never_advises_r
     result = run(*args, "--resume")
     assert result.exit_code == 1 and "the saved state in" in result.stderr and "is damaged" in result.stderr
     assert "rerun without --resume" in result.stderr and "--resume to continue" not in result.stderr
+
+
+def test_generate_and_bench_refuse_to_run_past_the_models_positions(tiny_model_tok):
+    generated = CliRunner().invoke(main, ["generate", str(tiny_model_tok), "--prompt", "def f(x):",
+                                          "--max-new-tokens", "600", "--no-compile"])
+    assert generated.exit_code == 1 and "more than this model's 512 (max_position_embeddings)" in generated.output
+    benched = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--prompt-tokens", "512", "--gen-tokens", "8",
+                                        "--reps", "1", "--no-compile"])
+    assert benched.exit_code == 1 and "--prompt-tokens 512 and --gen-tokens 8 make 520 positions" in benched.output

@@ -203,3 +203,9 @@ def test_each_8_bit_corruption_fails_naming_the_tensor(good_mixed, tiny_model, t
 def test_json_into_a_missing_folder_is_refused_before_verify_runs(tmp_path):
     result = CliRunner().invoke(main, ["verify", str(tmp_path), "--json", str(tmp_path / "no" / "r.json")])
     assert result.exit_code == 2 and "is not a folder" in result.output and "--json" in result.output
+
+
+def test_json_through_a_link_is_refused(tmp_path):
+    (tmp_path / "r.json").symlink_to(tmp_path / "elsewhere.json")
+    result = CliRunner().invoke(main, ["verify", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 2 and "is a link" in result.output and not (tmp_path / "elsewhere.json").exists()

@@ -89,12 +89,23 @@ class GenerationStats:
             yield token
 
 
+def check_positions(config, tokens: int, what: str) -> None:
+    """InputError when ``tokens`` positions exceed the model's ``max_position_embeddings`` (if it
+    has one): past it a model computes garbage without a word. ``what`` says where they come from."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise InputError(f"{what} make {tokens} positions, more than this model's {limit} "
+                         "(max_position_embeddings); ask for fewer")
+
+
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool = False,
                   compile: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
     """Yield decoded text pieces as they are generated (fast decoder where the model allows)."""
     from .compiled import open_decoder
 
     ids = encode_prompt(tokenizer, prompt, chat)
+    check_positions(model.config, ids.shape[1] + max_new_tokens,
+                    f"the prompt's {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens}")
     stats = stats or GenerationStats()
     stats.prompt_tokens = ids.shape[1]
     decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile)
