@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..io.shards import ShardWriter
 from ..memory import release_free_memory
 from ..methods import UNCALIBRATED, get_method
+from ..methods.grid import ROW_CHUNK
 from ..methods.rtn import RtnSettings
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
@@ -23,7 +24,7 @@ TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor measured 37% slo
 
 def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> None:
     """InputError when a weight about to be quantized holds NaN or infinite values."""
-    bad = int((~torch.isfinite(weight)).sum())
+    bad = sum(int((~torch.isfinite(rows)).sum()) for rows in weight.split(ROW_CHUNK))  # bounded transients
     if bad:
         raise InputError(f"{plan.targets[module]} holds {bad} NaN or infinite values, which no grid can hold; fix the "
                          f"checkpoint, or keep {module} in bf16 with --ignore {module}")
