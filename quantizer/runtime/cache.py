@@ -87,8 +87,7 @@ SOURCE_SUFFIXES = (".py", ".c", ".cpp")
 def runtime_source_digest() -> str:
     """sha256 over every source file of the runtime package (names and bytes): what a compiled
     decode step's code was generated from."""
+    from .native.build import tree_digest
+
     root = Path(__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+    return tree_digest(root, (p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES))

@@ -32,15 +32,21 @@ def sources() -> list[Path]:
     return [CSRC / name for name in (*C_SOURCES, *CXX_SOURCES)]
 
 
-def source_digest() -> str:
-    """sha256 of every file in csrc/ (names and bytes): compiled into the library as
-    ``source_digest()``, so a library built from other sources is never taken for this one."""
+def tree_digest(root: Path, paths) -> str:
+    """sha256 over ``paths`` under ``root``, in sorted order: each one's name relative to ``root``
+    and its bytes."""
     import hashlib
 
     h = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(paths):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def source_digest() -> str:
+    """sha256 of every file in csrc/: compiled into the library as ``source_digest()``, so a
+    library built from other sources is never taken for this one."""
+    return tree_digest(CSRC, CSRC.iterdir())
 
 
 def digest_define() -> str:
