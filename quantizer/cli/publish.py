@@ -12,7 +12,7 @@ VERIFY_EXIT = {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}
 
 
 @click.command()
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("model_dir", type=click.Path(exists=True, path_type=Path))
 @click.option("--reference", "--model", "source", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The bf16 checkpoint it was quantized from (--model, as in quantize, names the same folder): "
                    "enables the round-trip and end-to-end checks.")
@@ -30,7 +30,7 @@ VERIFY_EXIT = {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}
               help="Write a PNG of per-tensor SNR (and the KLD distribution).")
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads.")
 def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, json_path, plot_path, threads):
-    """Check a cpu_int4 checkpoint. Exit 0: PASS (every check ran and passed); 1: FAIL (a check
+    """Check a cpu_int4 checkpoint (or a .gguf file int4q wrote). Exit 0: PASS (every check ran and passed); 1: FAIL (a check
     failed); 2: bad usage; 3: INCOMPLETE (a check could not run, e.g. the models would not load)."""
     import json
 

@@ -30,11 +30,13 @@ def _bits(value: str | None) -> int | None:
 
 @click.command()
 @click.option("--model", "model", required=True, help="bf16/fp16/fp32 model folder or Hub repo id.")
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output folder.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="Output folder (--format gguf: the .gguf file).")
 @click.option(
     "--group-size", default="auto", show_default=True,
     type=click.Choice(["auto", "32", "64", "128", "256"]),
-    help="Input columns per scale/zero group; auto = largest of 128/64/32 dividing every input dim.",
+    help="Input columns per scale/zero group; auto = largest of 128/64/32 dividing every input dim (32 for "
+         "--format gguf, whose blocks hold 32).",
 )
 @click.option("--method", default=UNCALIBRATED, show_default=True, type=click.Choice(METHOD_NAMES),
               help="minmax: round-to-nearest on each group's min/max grid; weighted: round-to-nearest on grids "
@@ -87,13 +89,19 @@ def _bits(value: str | None) -> int | None:
                    "rank takes a share of the windows (gloo on cpu, NCCL on cuda).")
 @click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,
               type=click.Choice(FORMAT_NAMES),
-              help="cpu_int4 (this runtime, verify, push) or the GPTQ v1 layout (qweight/qzeros/scales/"
-                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders; the embedding then stays bf16.")
+              help="cpu_int4 (this runtime, verify, push); the GPTQ v1 layout (qweight/qzeros/scales/"
+                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders, the embedding then bf16; or one .gguf file "
+                   "for llama.cpp, Ollama and LM Studio, written by llama.cpp's own converter.")
+@click.option("--gguf-type", type=click.Choice(["q4_0", "q4_1"]),
+              help="[gguf] The 4-bit block type: q4_0 (symmetric, --sym) or q4_1 (asymmetric, the default); 8-bit "
+                   "modules are Q8_0, kept ones as llama.cpp's converter writes them.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
-             calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format):
+             calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
+             gguf_type):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from ..calibrate.windows import CalibrationSettings
+    from ..errors import UsageError
     from ..memory import peak_rss_mb
     from ..methods.gptq_method import GptqSettings
     from ..quantize.planning import QuantizeOptions
@@ -101,6 +109,12 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     from ..quantize.request import QuantizeRequest
     from ..quantize.run import quantize_checkpoint
 
+    if gguf_type and checkpoint_format != "gguf":
+        raise UsageError("--gguf-type is for --format gguf")
+    if checkpoint_format == "gguf":
+        from ..formats.gguf.staging import check_gguf_type
+
+        symmetric = check_gguf_type(gguf_type, symmetric)
     options = QuantizeOptions(
         group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
         keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),

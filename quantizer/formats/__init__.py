@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     import torch
 
     from ..io.shards import TensorSpec
-    from ..methods.grid import ChannelQuantized, GroupQuantized
+    from ..methods.grid import ChannelQuantized, GroupQuantized, Storage
     from ..spec.scheme import ModuleScheme
 
-MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1"}  # --format name -> module in this package
+MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "gguf": "gguf"}  # --format name -> module in this package
 NAMES = tuple(MODULES)
 RUNTIME_FORMAT = "cpu_int4"  # the one int4q's runtime runs, verify checks and the card shows how to run
 
@@ -28,7 +28,6 @@ RUNTIME_FORMAT = "cpu_int4"  # the one int4q's runtime runs, verify checks and t
 class CheckpointFormat(Protocol):
     name: str  # the --format value
     quant_method: str  # quantization_config.quant_method
-    integer_zero: bool  # the grid's zero must be an integer code (see grid.grid_params)
     quantizes_embedding: bool  # whether the vocabulary table can be stored quantized
     title: str  # its short name in prose
     description: str  # one line for the model card
@@ -37,12 +36,22 @@ class CheckpointFormat(Protocol):
     bits: tuple[int, ...]  # the module precisions it can store (16, kept, is always possible)
     default_symmetric: bool  # the grid a run gets without --sym/--asym
     head_kept_by_default: bool  # whether the head stays bf16 without --head-bits (its loaders' reach)
+    single_file: bool  # the output is one file (named ``suffix``), not a folder
+    group_sizes: tuple[int, ...]  # the 4-bit group sizes it can hold
+    out_dim_multiple: int  # what every quantized module's output dim must be a multiple of
+
+    def grid_storage(self, symmetric: bool) -> Storage:
+        """How it stores a run's 4-bit grids (and 8-bit scales), which the methods round against."""
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         """The tensors (names, dtypes, shapes) that ``tensors`` returns for a [N, K] weight."""
 
-    def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors of one quantized weight, by full name."""
+    def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized,
+                scheme: ModuleScheme) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one weight quantized on ``scheme``, by full name."""
+
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
+        """Change in place the schemes it cannot store for a module's input dim; a note for each."""
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         """The ``quantization_config`` written to config.json for a run with this QuantizationConfig

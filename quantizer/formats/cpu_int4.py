@@ -17,20 +17,24 @@ import torch
 
 from ..errors import InputError
 from ..io.shards import TensorSpec
-from ..methods.grid import ChannelQuantized, GroupQuantized
-from ..spec.scheme import ModuleScheme
-from .packing import pack_nibbles
+from ..methods.grid import BF16, ChannelQuantized, GroupQuantized, Storage
+from ..spec.scheme import GROUP_SIZES, ModuleScheme
+from .packing import PACK_N_ALIGN, pack_nibbles
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")
 
 
 class CpuInt4Format:
     name = quant_method = title = "cpu_int4"
-    integer_zero, quantizes_embedding, marker = False, True, "weight_packed"
+    quantizes_embedding, marker = True, "weight_packed"
     default_symmetric, head_kept_by_default = False, False
     bits = (4, 8)
+    single_file, group_sizes, out_dim_multiple = False, GROUP_SIZES, PACK_N_ALIGN
     description = "cpu_int4 (uint8 nibbles, bf16 scale and zero per group)"
     read_by = "int4q's runtime and vLLM's cpu_int4 reader"
+
+    def grid_storage(self, symmetric: bool) -> Storage:
+        return BF16
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         n, k = shape
@@ -42,12 +46,16 @@ class CpuInt4Format:
                 TensorSpec(f"{module}.weight_scale", torch.bfloat16, groups),
                 TensorSpec(f"{module}.weight_zero", torch.bfloat16, groups)]
 
-    def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized) -> dict[str, torch.Tensor]:
+    def tensors(self, module: str, quantized: GroupQuantized | ChannelQuantized,
+                scheme: ModuleScheme) -> dict[str, torch.Tensor]:
         if isinstance(quantized, ChannelQuantized):
             values = (quantized.codes, quantized.scale)
         else:
             values = (pack_nibbles(quantized.codes), quantized.scale, quantized.zero)
         return {f"{module}.{suffix}": t for suffix, t in zip(SUFFIXES, values)}
+
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
+        return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         return qconfig.to_dict()

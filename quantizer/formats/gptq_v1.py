@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..io.shards import TensorSpec
-from ..methods.grid import MID, GroupQuantized
-from ..spec.scheme import ModuleScheme
+from ..methods.grid import INTEGER_ZERO, MID, GroupQuantized, Storage
+from ..spec.scheme import GROUP_SIZES, ModuleScheme
+from .packing import PACK_N_ALIGN
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
@@ -36,12 +37,12 @@ def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
 
 
 def zero_points(gq: GroupQuantized) -> torch.Tensor:
-    """Integer zero points z [N, G] of a weight quantized with ``integer_zero``: zero = (8 - z) * scale."""
+    """Integer zero points z [N, G] of a weight quantized on INTEGER_ZERO storage: zero = (8 - z) * scale."""
     s, zf = gq.scale.to(torch.float32), gq.zero.to(torch.float32)
     z = torch.where(s == 0, torch.full_like(s, float(MID)), MID - zf / torch.where(s == 0, 1.0, s))
     zi = torch.round(z)
     if not torch.equal(zi, z) or zi.min() < 1 or zi.max() > 15:
-        raise ValueError("zero points are not integers in [1, 15]; quantize with integer_zero=True")
+        raise ValueError("zero points are not integers in [1, 15]; quantize with storage=INTEGER_ZERO")
     return zi.to(torch.int64)
 
 
@@ -92,13 +93,17 @@ SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 class GptqV1Format:
     name = quant_method = "gptq"
     title, description = "GPTQ", "GPTQ v1 (qweight/qzeros/scales/g_idx)"
-    integer_zero, quantizes_embedding, marker = True, False, "qweight"
+    quantizes_embedding, marker = False, "qweight"
     # GPTQModel loads an asymmetric v1 checkpoint only from its own quantizer; transformers'
     # GPTQ route (optimum) swaps only the linears under model.layers, so a quantized head would
     # be dropped there. The defaults open in every loader; --asym and --head-bits 4 are for vLLM.
     default_symmetric, head_kept_by_default = True, True
     bits = (4,)
+    single_file, group_sizes, out_dim_multiple = False, GROUP_SIZES, PACK_N_ALIGN
     read_by = "vLLM and GPTQ loaders"
+
+    def grid_storage(self, symmetric: bool) -> Storage:
+        return INTEGER_ZERO
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         n, k = shape
@@ -108,8 +113,11 @@ class GptqV1Format:
                 TensorSpec(f"{module}.scales", torch.float16, (groups, n)),
                 TensorSpec(f"{module}.g_idx", torch.int32, (k,))]
 
-    def tensors(self, module: str, gq: GroupQuantized) -> dict[str, torch.Tensor]:
+    def tensors(self, module: str, gq: GroupQuantized, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
         return gptq_tensors(module, gq)
+
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
+        return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         damp = (qconfig.calibration or {}).get("damp") or DEFAULT_DAMP

@@ -97,6 +97,25 @@ def check_output_target(
     return target
 
 
+def check_output_file(out: Path, overwrite: bool, inputs: Sequence[Path], replaceable: Callable[[Path], bool]) -> Path:
+    """Like :func:`check_output_target` for a single-file output: never a link, never an input,
+    an existing file only with ``overwrite`` when ``replaceable`` recognises it. Returns it absolute."""
+    target = Path(out).absolute()
+    for src in inputs:
+        if target.resolve() == Path(src).resolve():
+            raise InputError(f"--out {out} is the input {src}; choose another file")
+    if target.is_symlink():
+        raise InputError(f"--out {out} is a link; name the file itself")
+    if not target.exists():
+        return target
+    if not overwrite:
+        raise UsageError(f"{out} already exists; pass --overwrite to replace it")
+    if not target.is_file() or not replaceable(target):
+        raise InputError(f"{out} is not a file int4q wrote, so --overwrite will not replace it; "
+                         "remove it yourself or choose another --out")
+    return target
+
+
 def check_free_space(out: Path, needed_bytes: int) -> None:
     """Raise InputError when the file system that will hold ``out`` has less than ``needed_bytes`` free."""
     folder = Path(out).resolve().parent

@@ -18,7 +18,16 @@ from typing import Callable
 
 import torch
 
-from .grid import ROW_CHUNK, GroupQuantized, grid_params, grid_values, round_to_grid, weighted_grid_search
+from .grid import (
+    BF16,
+    ROW_CHUNK,
+    GroupQuantized,
+    Storage,
+    grid_params,
+    grid_values,
+    round_to_grid,
+    weighted_grid_search,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +103,10 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool = False,
                   act_order: bool = True, damp: float = 0.01, block_size: int = 128,
-                  integer_zero: bool = False, weighted_grids: bool = False) -> tuple[GroupQuantized, GptqInfo]:
+                  storage: Storage = BF16, weighted_grids: bool = False) -> tuple[GroupQuantized, GptqInfo]:
     """Quantize W [N, K] (any float dtype) against Hessian H [K, K] fp32. Returns the quantized
     weight (codes in the original column order; scale/zero as stored, see ``grid_params`` for
-    ``integer_zero``) and what the solve did. With ``weighted_grids`` each group's grid is chosen
+    ``storage``) and what the solve did. With ``weighted_grids`` each group's grid is chosen
     by the search weighted by diag(H) (grid.weighted_grid_search) instead of its min/max."""
     k = W.shape[1]
     if k % group_size:
@@ -108,13 +117,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=H.device)
     U, used_damp, retries = _inverse_cholesky(H[perm][:, perm], damp)
     weights = torch.diag(H).masked_fill(dead, 0.0) if weighted_grids else None
-    parts = [_solve_rows(rows, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero, weights)
+    parts = [_solve_rows(rows, U, perm, dead, group_size, symmetric, act_order, block_size, storage, weights)
              for rows in W.split(ROW_CHUNK)]
     gq = GroupQuantized(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.zero) for p in parts))))
     return gq, GptqInfo(used_damp, retries, int(dead.sum()))
 
 
-def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, integer_zero,
+def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, storage,
                 weights=None) -> GroupQuantized:
     """The GPTQ column loop for rows W [n, K], given the upper Cholesky factor U of the
     (permuted, damped) inverse Hessian; ``weights`` [K] (original order) for weighted grids."""
@@ -126,11 +135,11 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
     def params_of(cols: torch.Tensor, first: int):
         """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``."""
         if weights is None:
-            return grid_params(cols.amin(-1), cols.amax(-1), symmetric, integer_zero)
+            return grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage)
         w = weights[first:first + cols.shape[1] * group_size].reshape(cols.shape[1], group_size)
-        return weighted_grid_search(cols, w, symmetric, integer_zero)[:2]
+        return weighted_grid_search(cols, w, symmetric, storage)[:2]
 
-    stored = torch.float32 if integer_zero else torch.bfloat16
+    stored = storage.exact_dtype
     scale = torch.empty(n, groups, dtype=stored, device=W.device)
     zero = torch.empty(n, groups, dtype=stored, device=W.device)
     if act_order:

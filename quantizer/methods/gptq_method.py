@@ -10,7 +10,7 @@ import torch
 from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
 from .gptq import HessianAccumulator, gptq_quantize, proxy_loss
-from .grid import ROW_CHUNK, ErrorStats, GroupQuantized, quantize_groupwise
+from .grid import BF16, ROW_CHUNK, ErrorStats, GroupQuantized, Storage, quantize_groupwise
 from .rtn import quantize_rtn
 
 
@@ -24,11 +24,11 @@ class GptqSettings:
 
 @dataclass(frozen=True)
 class GptqMethod:
-    """GPTQ with ``settings`` (None: the defaults); ``integer_zero`` when the format stores integer
-    zero points."""
+    """GPTQ with ``settings`` (None: the defaults); ``storage``: how the format stores
+    the grids."""
 
     settings: GptqSettings | None = None
-    integer_zero: bool = False
+    storage: Storage = BF16
 
     def __post_init__(self) -> None:
         if self.settings is None:
@@ -46,11 +46,11 @@ class GptqMethod:
         """GPTQ one weight; the entry compares it with round-to-nearest on the same objective. An
         8-bit module is rounded to nearest: its error is already far below the 4-bit modules'."""
         if scheme.bits == 8:
-            q, err = quantize_rtn(weight, scheme)
+            q, err = quantize_rtn(weight, scheme, storage=self.storage)
             return q, {**err.as_dict(), "method": UNCALIBRATED}
         o, H = self.settings, stats.H
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
-                                 damp=o.damp, block_size=o.block_size, integer_zero=self.integer_zero,
+                                 damp=o.damp, block_size=o.block_size, storage=self.storage,
                                  weighted_grids=o.weighted_grids)
         err, gptq_loss, rtn_loss = ErrorStats(), 0.0, 0.0
         for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head

@@ -8,9 +8,11 @@ bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8)
 * symmetric: ``zero = 0`` and ``scale = max(-min / 8, max / 7)``, the smallest step whose grid
   [-8, 7] * scale still covers the group.
 
-Codes are always chosen against the scale and zero *as stored* (rounded to bf16).
+Codes are always chosen against the scale and zero *as stored* (:class:`Storage`: bf16 for
+cpu_int4, fp16 and an integer or fp16 zero for the GPTQ and GGUF layouts).
 
-8-bit modules use one symmetric grid per output channel: ``w = q * scale``, q in [-127, 127].
+8-bit modules use symmetric grids, ``w = q * scale`` with q in [-127, 127]: one per output
+channel, or (``Storage.int8_block``) one per block of consecutive input columns.
 """
 
 from __future__ import annotations
@@ -25,6 +27,30 @@ MID = 8  # the code that dequantizes to ``zero``
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
 WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist()
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a format stores a group's scale and zero, which fixes the values codes are rounded against.
+
+    ``zero``: "float" (stored in ``scale_dtype``), "integer" (``zero = (8 - z) * scale`` for an
+    integer zero point z in [1, 15], as GPTQ v1 and GGUF's Q4_0 hold it) or "min" (an fp16 minimum
+    m beside the scale, ``zero = m + 8 * scale``, as GGUF's Q4_1 holds it). ``int8_block``: input
+    columns per 8-bit scale (None: one per output channel).
+    """
+
+    scale_dtype: torch.dtype = torch.bfloat16
+    zero: str = "float"
+    int8_block: int | None = None
+
+    @property
+    def exact_dtype(self) -> torch.dtype:
+        """The dtype that holds a stored scale and zero exactly."""
+        return self.scale_dtype if self.zero == "float" else torch.float32
+
+
+BF16 = Storage()
+INTEGER_ZERO = Storage(torch.float16, "integer")
 
 
 @dataclass(frozen=True)
@@ -67,25 +93,22 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
-                integer_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group range [lo, hi] (fp32) -> (scale, zero) as stored.
-
-    cpu_int4: both rounded to bf16. ``integer_zero`` (the GPTQ checkpoint format): scale rounded
-    to fp16 and ``zero = (8 - z) * scale`` for an integer zero point z in [1, 15] (GPTQ's v1
-    convention stores z - 1 in 4 bits), returned in fp32, where that product is exact.
-    """
+                storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group range [lo, hi] (fp32) -> (scale, zero) as ``storage`` holds them, in its
+    ``exact_dtype`` (fp32 for an integer or minimum zero, whose products are exact there)."""
     if symmetric:
         scale = torch.maximum(-lo / MID, hi / (QMAX - MID)).clamp(min=0.0)
     else:
         scale = (hi - lo) / QMAX
-    if not integer_zero:
+    if storage.zero == "float":
         zero = torch.zeros_like(scale) if symmetric else lo + MID * scale
-        return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-    scale = scale.to(torch.float16).to(torch.float32)
+        return scale.to(storage.scale_dtype), zero.to(storage.scale_dtype)
+    scale = scale.to(storage.scale_dtype).to(torch.float32)
     if symmetric:
-        z = torch.full_like(scale, float(MID))
-    else:
-        z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
+        return scale, torch.zeros_like(scale)
+    if storage.zero == "min":
+        return scale, lo.to(storage.scale_dtype).to(torch.float32) + MID * scale
+    z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
     return scale, (MID - z) * scale
 
 
@@ -102,8 +125,8 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
 
 
 def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False,
-                       integer_zero: bool = False, column_weights: torch.Tensor | None = None) -> GroupQuantized:
-    """Round-to-nearest quantization of w [N, K] (any float dtype); ``integer_zero`` as in :func:`grid_params`.
+                       storage: Storage = BF16, column_weights: torch.Tensor | None = None) -> GroupQuantized:
+    """Round-to-nearest quantization of w [N, K] (any float dtype); ``storage`` as in :func:`grid_params`.
 
     With ``clip_search`` each group's range is shrunk towards its centre (symmetric: towards 0)
     by the factor in ``CLIP_SHRINKS`` that minimises that group's squared error. With
@@ -112,10 +135,10 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     """
     g = _grouped(w, group_size)
     if column_weights is not None:
-        scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, integer_zero)
+        scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, storage)
         return GroupQuantized(codes.reshape(w.shape), scale, zero)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale, zero = grid_params(lo, hi, symmetric, integer_zero)
+    scale, zero = grid_params(lo, hi, symmetric, storage)
     codes = round_to_grid(g, scale, zero)
     if clip_search:
         best_err = _group_sq_error(g, codes, scale, zero)
@@ -125,7 +148,7 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
             else:
                 mid = (lo + hi) / 2
                 s_lo, s_hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
-            s2, z2 = grid_params(s_lo, s_hi, symmetric, integer_zero)
+            s2, z2 = grid_params(s_lo, s_hi, symmetric, storage)
             c2 = round_to_grid(g, s2, z2)
             err = _group_sq_error(g, c2, s2, z2)
             better = err < best_err
@@ -143,7 +166,7 @@ def _group_sq_error(g, codes, scale, zero, weights=None) -> torch.Tensor:
 
 
 def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool,
-                         integer_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
     weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0.
 
@@ -152,13 +175,13 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     candidate, so the result is never worse than it on this objective.
     """
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale, zero = grid_params(lo, hi, symmetric, integer_zero)
+    scale, zero = grid_params(lo, hi, symmetric, storage)
     best = _group_sq_error(g, round_to_grid(g, scale, zero), scale, zero, weights)
     mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
     for shrink in WEIGHTED_SHRINKS:
-        c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, integer_zero)
+        c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, storage)
         c_codes = round_to_grid(g, c_scale, c_zero)
-        refit = _least_squares_grid(g, c_codes, weights, symmetric, integer_zero)
+        refit = _least_squares_grid(g, c_codes, weights, symmetric, storage)
         for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit))):
             err = _group_sq_error(g, c_codes, c_scale, c_zero, weights)
             better = err < best
@@ -167,7 +190,7 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     return scale, zero, round_to_grid(g, scale, zero)
 
 
-def _least_squares_grid(g, codes, weights, symmetric: bool, integer_zero: bool):
+def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
     """The stored (scale, zero) of the weighted least-squares fit w ~ (q - 8) * scale + zero."""
     u = codes.to(torch.float32) - MID
     sw, su, suu = weights.sum(-1), (weights * u).sum(-1), (weights * u * u).sum(-1)
@@ -179,7 +202,7 @@ def _least_squares_grid(g, codes, weights, symmetric: bool, integer_zero: bool):
         scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
     scale = scale.clamp(min=0.0)
     lo, hi = zero - MID * scale, zero + (QMAX - MID) * scale
-    return grid_params(lo, hi, symmetric, integer_zero)
+    return grid_params(lo, hi, symmetric, storage)
 
 
 class ErrorStats:
@@ -217,24 +240,31 @@ QMAX8 = 127
 
 @dataclass(frozen=True)
 class ChannelQuantized:
-    """An 8-bit weight: symmetric codes int8 [N, K] in -127..127 and one bf16 scale per output
-    channel [N, 1], dequantized as ``q * scale``."""
+    """An 8-bit weight: symmetric codes int8 [N, K] in -127..127 and scales [N, B], one per
+    output channel (B = 1) or per block of K / B input columns, dequantized as ``q * scale``."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.codes.to(torch.float32) * self.scale.to(torch.float32)).to(dtype)
+        n, k = self.codes.shape
+        blocks = self.codes.to(torch.float32).reshape(n, self.scale.shape[1], -1)
+        return (blocks * self.scale.to(torch.float32).unsqueeze(-1)).reshape(n, k).to(dtype)
 
     def rows(self, rows: slice) -> "ChannelQuantized":
         return ChannelQuantized(self.codes[rows], self.scale[rows])
 
 
-def quantize_per_channel(w: torch.Tensor) -> ChannelQuantized:
-    """Round-to-nearest on the symmetric 8-bit grid of each output channel of w [N, K]; the codes
-    are chosen against the scale as stored (bf16), so no code leaves -127..127."""
-    absmax = w.to(torch.float32).abs().amax(dim=1, keepdim=True)
-    scale = (absmax / QMAX8).to(torch.bfloat16)
-    s = scale.to(torch.float32)
-    codes = torch.round(w.to(torch.float32) / torch.where(s == 0, 1.0, s)).clamp_(-QMAX8, QMAX8)
-    return ChannelQuantized(codes.to(torch.int8), scale)
+def quantize_per_channel(w: torch.Tensor, storage: Storage = BF16) -> ChannelQuantized:
+    """Round-to-nearest on the symmetric 8-bit grid of each output channel of w [N, K] (or of
+    each block of ``storage.int8_block`` columns); the codes are chosen against the scale as
+    stored (``storage.scale_dtype``), so no code leaves -127..127."""
+    n, k = w.shape
+    block = storage.int8_block or k
+    if k % block:
+        raise ValueError(f"input dim {k} is not a multiple of the 8-bit block {block}")
+    blocks = w.to(torch.float32).reshape(n, k // block, block)
+    scale = (blocks.abs().amax(dim=-1) / QMAX8).to(storage.scale_dtype)
+    s = scale.to(torch.float32).unsqueeze(-1)
+    codes = torch.round(blocks / torch.where(s == 0, 1.0, s)).clamp_(-QMAX8, QMAX8)
+    return ChannelQuantized(codes.to(torch.int8).reshape(n, k), scale)

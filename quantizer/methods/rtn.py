@@ -9,10 +9,19 @@ from dataclasses import dataclass
 import torch
 
 from ..spec.scheme import ModuleScheme
-from .grid import ROW_CHUNK, ChannelQuantized, ErrorStats, GroupQuantized, quantize_groupwise, quantize_per_channel
+from .grid import (
+    BF16,
+    ROW_CHUNK,
+    ChannelQuantized,
+    ErrorStats,
+    GroupQuantized,
+    Storage,
+    quantize_groupwise,
+    quantize_per_channel,
+)
 
 
-def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, integer_zero: bool = False,
+def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, storage: Storage = BF16,
                  column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
     """Round-to-nearest on the scheme's grid (4-bit groups or 8-bit channels), in row chunks
     written into one result (no concatenated copies); the error statistics against ``weight``.
@@ -22,10 +31,10 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
     for start in range(0, weight.shape[0], ROW_CHUNK):
         rows = weight[start:start + ROW_CHUNK]
         if scheme.bits == 8:
-            part = quantize_per_channel(rows)
+            part = quantize_per_channel(rows, storage)
         else:
             part = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
-                                      integer_zero=integer_zero, column_weights=column_weights)
+                                      storage=storage, column_weights=column_weights)
         stats.add(rows, part.dequantize())
         if out is None:
             out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in _fields(part)))
@@ -45,10 +54,10 @@ class RtnSettings:
 
 @dataclass(frozen=True)
 class RoundToNearest:
-    """Round-to-nearest with ``settings``; ``integer_zero`` when the format stores integer zero points."""
+    """Round-to-nearest with ``settings``; ``storage``: how the format stores the grids."""
 
     settings: RtnSettings | None = None
-    integer_zero: bool = False
+    storage: Storage = BF16
 
     def __post_init__(self) -> None:
         if self.settings is None:
@@ -60,5 +69,5 @@ class RoundToNearest:
     def quantize(self, weight: torch.Tensor, stats: None,
                  scheme: ModuleScheme) -> tuple[GroupQuantized | ChannelQuantized, dict]:
         """The weight on the scheme's grid and its error statistics (``stats`` is unused)."""
-        q, err = quantize_rtn(weight, scheme, self.settings.clip_search, self.integer_zero)
+        q, err = quantize_rtn(weight, scheme, self.settings.clip_search, self.storage)
         return q, err.as_dict()

@@ -11,7 +11,7 @@ import torch
 
 from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
-from .grid import ChannelQuantized, GroupQuantized
+from .grid import BF16, ChannelQuantized, GroupQuantized, Storage
 from .rtn import quantize_rtn
 
 
@@ -40,11 +40,11 @@ class ColumnMeanSquare:
 
 @dataclass(frozen=True)
 class WeightedRtnMethod:
-    """Round-to-nearest on activation-weighted grids (it has no settings); ``integer_zero`` when the
-    format needs it."""
+    """Round-to-nearest on activation-weighted grids (it has no settings); ``storage``: how the
+    format stores the grids."""
 
     settings: None = None
-    integer_zero: bool = False
+    storage: Storage = BF16
 
     def accumulator(self, in_features: int, device: str = "cpu") -> ColumnMeanSquare:
         return ColumnMeanSquare(in_features, device)
@@ -55,5 +55,5 @@ class WeightedRtnMethod:
     def quantize(self, weight: torch.Tensor, stats: ColumnMeanSquare,
                  scheme: ModuleScheme) -> tuple[GroupQuantized | ChannelQuantized, dict]:
         """4-bit: grids by the weighted search; 8-bit: the covering per-channel grid (unweighted)."""
-        q, err = quantize_rtn(weight, scheme, integer_zero=self.integer_zero, column_weights=stats.value)
+        q, err = quantize_rtn(weight, scheme, storage=self.storage, column_weights=stats.value)
         return q, {**err.as_dict(), "method": "weighted" if scheme.bits == 4 else UNCALIBRATED}

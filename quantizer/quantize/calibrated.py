@@ -23,7 +23,7 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     defaults) into ``out_dir`` (the partial folder). Rank 0 tokenizes the text (the other ranks
     pass None for it and the tokenizer) and returns the report; the other ranks return None."""
     info = get_method(plan.options.method)
-    method = info.make(method_settings, plan.format.integer_zero)
+    method = info.make(method_settings, plan.storage)
     s = windows_settings.resolved(info.default_nsamples)
     q = dataclasses.replace(plan.qconfig, calibration={
         "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed,

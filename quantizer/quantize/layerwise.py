@@ -180,7 +180,7 @@ def _head_target(plan: QuantizationPlan) -> str | None:
 
 def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[str, torch.Tensor]:
     """The quantized weight's tensors in the plan's format (on the CPU); records its report entry."""
-    tensors = {name: t.cpu() for name, t in plan.format.tensors(module, q).items()}
+    tensors = {name: t.cpu() for name, t in plan.format.tensors(module, q, plan.scheme_of(module)).items()}
     per_tensor[module] = module_entry(plan.targets[module], shape, tensors, stats)
     return tensors
 

@@ -15,7 +15,6 @@ import torch
 
 from ..errors import InputError
 from ..formats import RUNTIME_FORMAT, CheckpointFormat, get_format
-from ..formats.packing import PACK_N_ALIGN
 from ..io.checkpoint import CheckpointReader, TensorInfo, read_config
 from ..io.shards import TensorSpec
 from ..io.structure import (
@@ -25,6 +24,7 @@ from ..io.structure import (
     check_layer_count,
     inspect_structure,
 )
+from ..methods.grid import Storage
 from ..spec.config import QuantizationConfig, matches_ignore
 from ..spec.methods import UNCALIBRATED, get_method
 from ..spec.scheme import KEPT_BITS, ModuleScheme
@@ -81,6 +81,11 @@ class QuantizationPlan:
     @property
     def format(self) -> CheckpointFormat:
         return get_format(self.options.checkpoint_format)
+
+    @property
+    def storage(self) -> Storage:
+        """How the format stores this run's grids."""
+        return self.format.grid_storage(self.options.symmetric)
 
     def scheme_of(self, module: str) -> ModuleScheme:
         return self.qconfig.scheme_for(module)
@@ -141,16 +146,20 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         if not isinstance(info.dtype, torch.dtype):
             raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
     _check_overrides_match(options.overrides, structure)
-    options, notes = _implied_options(options, structure)
+    fmt = get_format(options.checkpoint_format)
+    options = _format_group(options, fmt)
+    options, notes = _implied_options(options, structure, _separate_head_ok(fmt, model_dir, config))
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
     base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
     group, schemes, fallbacks = assign_schemes({m: infos[s].shape[1] for m, s in targets.items()}, base_bits,
                                                options.group_size, options.symmetric, options.overrides,
                                                options.strict_group_size)
-    _check_schemes(schemes, get_format(options.checkpoint_format))
+    fallbacks.update(fmt.fit_schemes(schemes, {m: infos[s].shape[1] for m, s in targets.items()}))
+    _check_schemes(schemes, fmt)
     emb = structure.embedding
-    _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos)
+    _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos,
+                    fmt.out_dim_multiple)
     default = ModuleScheme(4, group, options.symmetric)
     qconfig = QuantizationConfig(
         group_size=group,
@@ -193,10 +202,35 @@ def _check_schemes(schemes: dict[str, ModuleScheme], fmt: CheckpointFormat) -> N
                          f"{bad[0]} would be {schemes[bad[0]].bits}-bit; choose another --format or recipe")
 
 
-def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tuple[QuantizeOptions, list[str]]:
+def _format_group(options: QuantizeOptions, fmt: CheckpointFormat) -> QuantizeOptions:
+    """A format with one group size gets it for auto; InputError for one it cannot hold."""
+    if options.group_size is None and len(fmt.group_sizes) == 1:
+        return dataclasses.replace(options, group_size=fmt.group_sizes[0])
+    if options.group_size is not None and options.group_size not in fmt.group_sizes:
+        raise InputError(f"--group-size {options.group_size}: {fmt.title} stores one scale per "
+                         f"{'/'.join(map(str, fmt.group_sizes))} weights; use --group-size {fmt.group_sizes[0]}")
+    for o in options.overrides:
+        if o.group_size is not None and o.group_size not in fmt.group_sizes:
+            raise InputError(f"--override {o.pattern}={o.bits}:{o.group_size}: {fmt.title} stores one scale per "
+                             f"{'/'.join(map(str, fmt.group_sizes))} weights")
+    return options
+
+
+def _separate_head_ok(fmt: CheckpointFormat, model_dir: Path, config: dict) -> bool:
+    """Whether the output can hold a head apart from a tied table (a GGUF only where llama.cpp's
+    converter writes one for the architecture)."""
+    if not fmt.single_file:
+        return True
+    from ..formats.gguf.converter import writes_separate_head
+
+    return writes_separate_head(model_dir, config)
+
+
+def _implied_options(options: QuantizeOptions, structure: ModelStructure,
+                     separate_head_ok: bool = True) -> tuple[QuantizeOptions, list[str]]:
     """The options with every precision decided (the table's and the head's bits, kept modules
     added to ``ignore``) and what the format and the method require; a note for each change the
-    user did not ask for."""
+    user did not ask for. Without ``separate_head_ok`` a tied head stays tied."""
     notes = []
     emb, head = structure.embedding, structure.head
     kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
@@ -214,6 +248,15 @@ def _implied_options(options: QuantizeOptions, structure: ModelStructure) -> tup
         table = KEPT_BITS
         notes.append(f"the {fmt.name} format has no quantized vocabulary table: {emb} stays in bf16")
     source_tied = structure.tied and emb is not None and head is not None
+    if source_tied and not separate_head_ok:
+        if options.untie_head or options.head_bits not in (None, table):
+            raise InputError(f"{fmt.title} files of this architecture read the head from the table, so {head} "
+                             "cannot be untied: drop --untie-head and --head-bits")
+        if get_method(options.method).unties_head:
+            notes.append(f"{fmt.title} files of this architecture read the head from the table: {head} stays tied "
+                         f"to it, and {options.method} quantizes the table without calibration")
+        options = dataclasses.replace(options, head_bits=table, embedding_bits=table, keep_embedding=table == KEPT_BITS)
+        return options, notes
     own_head = not source_tied or options.untie_head or get_method(options.method).unties_head
     head_bits = options.head_bits or (recipe_bits(options.recipe, head or "", True, 0) if own_head else table)
     if fmt.head_kept_by_default and options.head_bits is None and not options.untie_head and head \
@@ -300,11 +343,11 @@ def _check_dtypes_and_shapes(targets: dict[str, str], infos: dict[str, TensorInf
             raise InputError(f"{src} has shape {list(info.shape)}; a linear weight must be 2-D")
 
 
-def _check_out_dims(targets: dict[str, str], infos: dict[str, TensorInfo]) -> None:
-    bad = {src: infos[src].shape[0] for src in targets.values() if infos[src].shape[0] % PACK_N_ALIGN}
+def _check_out_dims(targets: dict[str, str], infos: dict[str, TensorInfo], multiple: int) -> None:
+    bad = {src: infos[src].shape[0] for src in targets.values() if infos[src].shape[0] % multiple}
     if bad:
         listed = ", ".join(f"{n} (N={v})" for n, v in sorted(bad.items())[:5])
         raise InputError(
-            f"the tinygemm kernel needs output dims that are multiples of {PACK_N_ALIGN}: {listed}; "
+            f"the tinygemm kernel needs output dims that are multiples of {multiple}: {listed}; "
             "leave them in bf16 with --ignore"
         )

@@ -60,13 +60,18 @@ def quantize_checkpoint(request: QuantizeRequest, progress: Progress = Progress(
 
 
 def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> QuantizeReport | None:
+    from ..formats import get_format
     from ..io.outdir import check_free_space, check_output_target
     from ..io.source import base_model_id, resolve_model_dir
+    from .single_file import check_file_name, run_single_file
 
     info = get_method(request.options.method)
+    fmt = get_format(request.options.checkpoint_format)
+    if fmt.single_file:
+        check_file_name(request.out, fmt.suffix, fmt.title)
     model_dir = resolve_model_dir(request.model)
     inputs = [model_dir] + ([request.calib_text] if request.calib_text else [])
-    if ranks.is_main:
+    if ranks.is_main and not fmt.single_file:
         check_output_target(request.out, request.overwrite, inputs)
     plan = plan_quantization(model_dir, request.options)
     plan = dataclasses.replace(plan, source_name=request.model,
@@ -78,8 +83,19 @@ def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> Qua
         check_free_space(request.out, plan.disk_bytes_needed(windows.nsamples * windows.seqlen if windows else 0))
     if info.calibrated:
         request = dataclasses.replace(request, windows=windows)
-        return _run_calibrated(plan, model_dir, request, inputs, progress, ranks)
-    return _run_streamed(plan, request, inputs, progress)
+
+    def run_folder(req: QuantizeRequest) -> QuantizeReport | None:
+        if info.calibrated:
+            return _run_calibrated(plan, model_dir, req, inputs, progress, ranks)
+        return _run_streamed(plan, req, inputs, progress)
+
+    if fmt.single_file and ranks.is_main:
+        return run_single_file(plan, request, inputs, run_folder)
+    if fmt.single_file:
+        from .single_file import blocks_dir
+
+        return run_folder(dataclasses.replace(request, out=blocks_dir(request.out)))
+    return run_folder(request)
 
 
 def _run_streamed(plan: QuantizationPlan, request: QuantizeRequest, inputs: list[Path],

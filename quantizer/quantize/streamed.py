@@ -33,9 +33,9 @@ def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor)
 def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     """One module by round-to-nearest: its checkpoint tensors in the plan's format and its report entry."""
     refuse_non_finite(plan, module, weight)
-    method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search), plan.format.integer_zero)
+    method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search), plan.storage)
     q, stats = method.quantize(weight, None, plan.scheme_of(module))
-    tensors = plan.format.tensors(module, q)
+    tensors = plan.format.tensors(module, q, plan.scheme_of(module))
     return tensors, module_entry(plan.targets[module], weight.shape, tensors, stats)
 
 

@@ -3,7 +3,7 @@ promises (calibration, the head, the codes verify may check). A method is one mo
 ``quantizer.methods`` plus one entry in :data:`METHODS`, like a format in ``formats/``. Importing
 this module does not import torch, so the CLI lists the methods cheaply.
 
-A method's module exposes a class taking ``(settings, integer_zero)`` whose objects have:
+A method's module exposes a class taking ``(settings, storage)`` whose objects have:
 
 - ``calibration_record()``: what the run's ``quantization_config.calibration`` record adds for it;
 - ``quantize(weight, stats, scheme) -> (quantized, report entry)``: one weight [N, K] on the
@@ -33,11 +33,11 @@ class MethodInfo:
     searches_grids: bool = False  # its grids come from the weighted search, which may clip a group
     grid_search_setting: str | None = None  # ...or do when this calibration setting is true
 
-    def make(self, settings=None, integer_zero: bool = False):
-        """The method object, with its own ``settings`` (None: its defaults); ``integer_zero`` when
-        the format stores integer zero points."""
-        cls = getattr(importlib.import_module(f"quantizer.methods.{self.module}"), self.cls)
-        return cls(settings, integer_zero)
+    def make(self, settings=None, storage=None):
+        """The method object, with its own ``settings`` (None: its defaults) and the format's grid
+        ``storage`` (a ``methods.grid.Storage``; None: cpu_int4's)."""
+        module = importlib.import_module(f"quantizer.methods.{self.module}")
+        return getattr(module, self.cls)(settings, storage or importlib.import_module("quantizer.methods.grid").BF16)
 
     def searched_grids(self, calibration: dict) -> bool:
         """Whether a run with this ``quantization_config.calibration`` chose grids by the search."""

@@ -13,7 +13,12 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
                greedy_tokens: int, max_kld: float | None, say: Callable[[str], None],
                step: Callable[..., None] | None = None) -> dict:
     """Structure, then (with ``source``) round trip, kernel layout, end to end. Returns the report:
-    ``ok``, ``checks``, ``tensors`` (per-tensor SNR), ``fidelity`` and readable ``summary_lines``."""
+    ``ok``, ``checks``, ``tensors`` (per-tensor SNR), ``fidelity`` and readable ``summary_lines``.
+    A .gguf file gets the checks of :func:`run_verify_gguf`."""
+    from .gguf import is_gguf_path
+
+    if is_gguf_path(qdir):
+        return run_verify_gguf(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, say, step)
     checks: list[CheckResult] = []
     report: dict = {"checkpoint": str(qdir), "source": str(source) if source else None}
     numbers: list[str] = []
@@ -25,18 +30,63 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
             say("round trip against the source ...")
             round_trip, stats = check_round_trip(info, source)
             checks.append(round_trip)
-            report["tensors"] = {s.module: {"snr_db": s.snr_db, "max_abs_err": s.max_abs_err,
-                                            "max_excess_over_nearest": s.max_excess} for s in stats}
-            snrs = [s.snr_db for s in stats if s.snr_db is not None]
-            if snrs:
-                numbers.append(f"SNR over {len(stats)} quantized tensors: min {min(snrs):.2f} dB, "
-                               f"mean {sum(snrs) / len(snrs):.2f} dB, max {max(snrs):.2f} dB; "
-                               f"max abs error {max(s.max_abs_err for s in stats):.4g}")
+            _tensor_numbers(stats, report, numbers)
         say("kernel layout ...")
         checks.append(check_kernel_layout(info))
         if source is not None and all(c.ok for c in checks):
             checks.append(_end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report,
                                       numbers, say, step or (lambda *a: None)))
+    return _finish(report, checks, numbers)
+
+
+def run_verify_gguf(path: Path, source: Path | None, text: Path | None, ctx: int, max_windows: int,
+                    greedy_tokens: int, max_kld: float | None, say: Callable[[str], None],
+                    step: Callable[..., None] | None = None) -> dict:
+    """A .gguf int4q wrote: readable with int4q's config; with ``source``, its tensors and metadata
+    against llama.cpp's converter's for the source, the round trip, and end to end (the file
+    dequantized by transformers' GGUF loader)."""
+    from ..errors import Int4qError
+    from ..formats.gguf.assemble import converted_source
+    from ..io.checkpoint import read_config
+    from ..io.structure import inspect_structure
+    from .gguf import check_round_trip as gguf_round_trip
+    from .gguf import check_structure as gguf_structure
+    from .gguf import load_dequantized, read_gguf
+
+    report: dict = {"checkpoint": str(path), "source": str(source) if source else None}
+    checks, numbers = [], []
+    say("structure ...")
+    try:
+        reader, qconfig = read_gguf(path)
+    except Int4qError as e:
+        return _finish(report, [CheckResult("structure", [str(e)])], numbers)
+    if source is None:
+        return _finish(report, [CheckResult("structure")], numbers)
+    config = read_config(source)
+    say("running llama.cpp's converter over the source ...")
+    expected, kv = converted_source(source, config)
+    checks.append(gguf_structure(reader, expected, kv, inspect_structure(config).tied))
+    say("round trip against the source ...")
+    round_trip, stats = gguf_round_trip(reader, expected, qconfig, expected.get("token_embd.weight"))
+    checks.append(round_trip)
+    _tensor_numbers(stats, report, numbers)
+    if all(c.ok for c in checks):
+        checks.append(_end_to_end(path, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers,
+                                  say, step or (lambda *a: None), lambda: load_dequantized(path)))
+    return _finish(report, checks, numbers)
+
+
+def _tensor_numbers(stats, report: dict, numbers: list[str]) -> None:
+    report["tensors"] = {s.module: {"snr_db": s.snr_db, "max_abs_err": s.max_abs_err,
+                                    "max_excess_over_nearest": s.max_excess} for s in stats}
+    snrs = [s.snr_db for s in stats if s.snr_db is not None]
+    if snrs:
+        numbers.append(f"SNR over {len(stats)} quantized tensors: min {min(snrs):.2f} dB, "
+                       f"mean {sum(snrs) / len(snrs):.2f} dB, max {max(snrs):.2f} dB; "
+                       f"max abs error {max(s.max_abs_err for s in stats):.4g}")
+
+
+def _finish(report: dict, checks: list[CheckResult], numbers: list[str]) -> dict:
     lines = []
     for c in checks:
         label = {"ok": "ok", "failed": "FAILED", "could not run": "COULD NOT RUN"}[c.outcome]
@@ -59,7 +109,7 @@ def verdict(checks: list[CheckResult]) -> str:
 
 
 def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say,
-                step) -> CheckResult:
+                step, load_quantized=None) -> CheckResult:
     from ..io.text import load_text
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
@@ -67,8 +117,9 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
 
     result = CheckResult("end to end")
     try:
-        tokenizer = load_tokenizer(qdir)
-        reference, quantized = load_model(source), load_model(qdir)
+        tokenizer = load_tokenizer(source if load_quantized else qdir)
+        reference = load_model(source)
+        quantized = load_quantized() if load_quantized else load_model(qdir)
     except Exception as e:  # whatever stops the models from loading, the check did not run
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         result.could_not_run = f"cannot load the models ({first})"

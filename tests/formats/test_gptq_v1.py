@@ -2,8 +2,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.methods.gptq import HessianAccumulator, gptq_quantize
 from quantizer.formats.gptq_v1 import dequantize_gptq, gptq_tensors, pack_int32, unpack_int32, zero_points
+from quantizer.methods.gptq import HessianAccumulator, gptq_quantize
+from quantizer.methods.grid import INTEGER_ZERO
 
 
 def test_pack_int32_hand_worked_values():
@@ -39,7 +40,7 @@ def test_gptq_export_dequantizes_like_a_gptq_loader_for_both_grids():
     acc = HessianAccumulator(k)
     acc.add(torch.randn(512, k))
     for sym in (False, True):
-        gq, _ = gptq_quantize(W, acc.H, 32, symmetric=sym, integer_zero=True)
+        gq, _ = gptq_quantize(W, acc.H, 32, symmetric=sym, storage=INTEGER_ZERO)
         z = zero_points(gq)
         assert z.min() >= 1 and z.max() <= 15 and (not sym or bool((z == 8).all()))
         t = gptq_tensors("m", gq)

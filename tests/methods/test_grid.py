@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.methods.grid import ErrorStats, quantize_groupwise, round_to_grid
+from quantizer.methods.grid import BF16, INTEGER_ZERO, ErrorStats, quantize_groupwise, round_to_grid
 
 BF16_EPS = 2.0**-8
 
@@ -124,8 +124,8 @@ def test_the_weighted_search_is_never_worse_than_min_max_on_its_own_objective(se
     w = random_weight(16, 128, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     weights = torch.rand(128, generator=gen).pow(4) * 10  # a few columns matter much more
-    plain = quantize_groupwise(w, group, symmetric=sym, integer_zero=integer)
-    searched = quantize_groupwise(w, group, symmetric=sym, integer_zero=integer, column_weights=weights)
+    plain = quantize_groupwise(w, group, symmetric=sym, storage=INTEGER_ZERO if integer else BF16)
+    searched = quantize_groupwise(w, group, symmetric=sym, storage=INTEGER_ZERO if integer else BF16, column_weights=weights)
     assert weighted_error(w, searched, weights) <= weighted_error(w, plain, weights) * (1 + 1e-6)
     g = w.float().reshape(16, 128 // group, group)  # codes are the nearest points of the stored grid
     assert torch.equal(searched.codes.reshape(g.shape), round_to_grid(g, searched.scale, searched.zero))

@@ -4,15 +4,14 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_llama
 
-from quantizer.io.checkpoint import CheckpointReader
 from quantizer.formats.gptq_v1 import dequantize_gptq
-from quantizer.methods.grid import dequantize_codes, quantize_groupwise
 from quantizer.formats.packing import unpack_nibbles
+from quantizer.io.checkpoint import CheckpointReader
+from quantizer.methods.grid import INTEGER_ZERO, dequantize_codes, quantize_groupwise
 from quantizer.quantize.planning import QuantizeOptions, plan_quantization
 from quantizer.quantize.streamed import run_quantization
-
-from conftest import save_tiny_llama
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -57,7 +56,7 @@ def test_round_to_nearest_writes_the_gptq_layout_on_integer_zero_points(tiny_mod
     assert reader.infos["model.embed_tokens.weight"].dtype == torch.bfloat16
     m = "model.layers.1.self_attn.o_proj"
     got = dequantize_gptq(*(reader.get(f"{m}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")))
-    want = quantize_groupwise(source.get(f"{m}.weight"), 64, integer_zero=True).dequantize()
+    want = quantize_groupwise(source.get(f"{m}.weight"), 64, storage=INTEGER_ZERO).dequantize()
     assert torch.equal(got, want)
     assert report.tensors[m]["bytes"] == sum(reader.infos[f"{m}.{s}"].nbytes
                                                for s in ("qweight", "qzeros", "scales", "g_idx"))

@@ -5,6 +5,7 @@ import torch
 
 from quantizer.formats.cpu_int4 import FORMAT
 from quantizer.methods.grid import quantize_groupwise
+from quantizer.spec.scheme import ModuleScheme
 from quantizer.runtime import load_model
 from quantizer.runtime.nn.fusion import Int4Group, Int4Slice, fuse_linears, fuse_projections
 from quantizer.runtime.nn.int4 import Int4Linear
@@ -17,7 +18,7 @@ def random_int4_linear(n, k, seed, bias=False):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     gq = quantize_groupwise(w, 64)
-    packed, scale, zero = FORMAT.tensors("w", gq).values()
+    packed, scale, zero = FORMAT.tensors("w", gq, ModuleScheme(4, 64)).values()
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     return Int4Linear.from_row_major(packed, scale, zero, 64, bias=b)
 

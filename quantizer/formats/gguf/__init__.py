@@ -1,0 +1,5 @@
+"""GGUF output: int4q's grids on llama.cpp's block types, written by llama.cpp's converter."""
+
+from .staging import FORMAT
+
+__all__ = ["FORMAT"]

@@ -1,0 +1,95 @@
+"""llama.cpp's own Hugging Face -> GGUF converter (``convert_hf_to_gguf.py``'s ``conversion``
+package and its ``gguf-py`` writer), found on this machine and imported once.
+
+int4q does not carry a table of architectures: the converter decides every name, shape, key and
+tokenizer field, exactly as ``convert_hf_to_gguf.py`` would for the same folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ...errors import InputError, UnsupportedError
+
+ENV = "INT4Q_LLAMA_CPP"
+SETUP_HINT = "run `bash scripts/setup_gguf.sh` (it fetches llama.cpp's converter from PyPI), or set INT4Q_LLAMA_CPP " \
+             "to a llama.cpp checkout"
+
+
+def default_location() -> Path:
+    """Where scripts/setup_gguf.sh puts the converter: inside the active environment."""
+    return Path(sys.prefix) / "share" / "int4q" / "llama.cpp"
+
+
+def converter_root() -> Path:
+    """The llama.cpp folder holding ``conversion/`` and ``gguf-py/``; InputError naming the fix."""
+    root = Path(os.environ.get(ENV) or default_location())
+    if not (root / "conversion" / "__init__.py").is_file():
+        where = f"{ENV}={root}" if os.environ.get(ENV) else str(root)
+        raise InputError(f"--format gguf needs llama.cpp's converter, and {where} has none; {SETUP_HINT}")
+    return root
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[object, object]:
+    """(the ``conversion`` package, the ``gguf`` package it was written against)."""
+    root = converter_root()
+    for path in (root / "gguf-py", root):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    gguf = importlib.import_module("gguf")
+    if Path(gguf.__file__).resolve().parent.parent != (root / "gguf-py").resolve():
+        _check_same_writer(gguf, root)
+    try:
+        conversion = importlib.import_module("conversion")
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"llama.cpp's converter at {root} does not import with this gguf package ({e}); "
+                         f"pip install {root / 'gguf-py'}") from None
+    return conversion, gguf
+
+
+def _check_same_writer(gguf, root: Path) -> None:
+    """An already imported gguf must be the converter's own (its constants grow with llama.cpp)."""
+    mine = (root / "gguf-py" / "gguf" / "constants.py").read_bytes()
+    if Path(gguf.__file__).with_name("constants.py").read_bytes() != mine:
+        raise InputError(f"the installed gguf package ({Path(gguf.__file__).parent}) is not the one llama.cpp's "
+                         f"converter at {root} was written for; pip install {root / 'gguf-py'}")
+
+
+def converter_class(config: dict):
+    """The converter's model class for a config.json; UnsupportedError in one line for an
+    architecture it does not know."""
+    conversion, _ = load()
+    archs = config.get("architectures") or []
+    if not archs:
+        raise UnsupportedError("config.json names no architectures, so llama.cpp's converter cannot map it")
+    try:
+        return conversion.get_model_class(archs[0])
+    except NotImplementedError:
+        raise UnsupportedError(f"llama.cpp's converter does not know {archs[0]}; choose another --format") from None
+
+
+def converter_for(model_dir: Path, config: dict, out_file: Path | None = None, cls=None):
+    """The converter object for a source folder, as convert_hf_to_gguf.py builds it (lazy tensors,
+    the float type it guesses from the weights), writing to ``out_file``."""
+    _, gguf = load()
+    logging.getLogger("hf-to-gguf").setLevel(logging.ERROR)  # its notes are for its own CLI
+    cls = cls or converter_class(config)
+    try:
+        return cls(Path(model_dir), gguf.LlamaFileType.GUESSED, Path(out_file or Path(model_dir) / "unused.gguf"), eager=False)
+    except (KeyError, ValueError, NotImplementedError) as e:
+        raise UnsupportedError(f"llama.cpp's converter cannot convert {model_dir}: {e}") from None
+
+
+def writes_separate_head(model_dir: Path, config: dict) -> bool:
+    """Whether the converter writes an ``lm_head.weight`` of its own for this architecture (some,
+    like Gemma's, always read the head from the table)."""
+    import torch
+
+    model = converter_for(model_dir, config)
+    return bool(list(model.modify_tensors(torch.zeros(2, 2), "lm_head.weight", None)))

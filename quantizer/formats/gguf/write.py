@@ -1,0 +1,48 @@
+"""The .gguf file of a finished run: its blocks folder and its source, through assemble.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...io.checkpoint import CheckpointReader, read_config
+from .assemble import INT4Q_CONFIG_KEY, QuantizedWeight, write_gguf
+from .blocks import block_type
+from .converter import load
+from .staging import FORMAT, file_type
+
+GGUF_MAGIC = b"GGUF"
+
+
+def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeight]:
+    """Source tensor name -> int4q's blocks, for every quantized module of ``plan`` (an untied head
+    made from a tied table under the head's own name)."""
+    weights = {}
+    for module, source in plan.targets.items():
+        scheme = plan.scheme_of(module)
+        if scheme.kept:
+            continue
+        name = f"{module}.{FORMAT.marker}"
+        weights[f"{module}.weight"] = QuantizedWeight(tuple(plan.reader.infos[source].shape),
+                                                      block_type(scheme.bits, scheme.symmetric),
+                                                      lambda name=name: blocks.get(name))
+    return weights
+
+
+def write_from_blocks(plan, blocks: CheckpointReader, out_file: Path) -> list[str]:
+    """Write ``out_file`` for ``plan`` from its finished blocks folder; the names of the GGUF
+    tensors holding int4q's blocks."""
+    weights = quantized_weights(plan, blocks)
+    qconfig = read_config(blocks.dir)["quantization_config"]
+    kinds = {w.kind.name for w in weights.values()}
+    return write_gguf(plan.model_dir, plan.source_config, weights, out_file, file_type(kinds), qconfig)
+
+
+def is_int4q_gguf(path: Path) -> bool:
+    """True for a GGUF file whose metadata int4q wrote."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                return False
+        return INT4Q_CONFIG_KEY in load()[1].GGUFReader(path).fields
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,54 @@
+"""Runs whose output is one file (GGUF): the method's run fills a hidden folder of blocks beside
+the file (kept for --resume when interrupted), the file is written aside and renamed in, and the
+folder is removed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InputError
+from ..io.checkpoint import CheckpointReader
+from ..io.outdir import check_output_file, output_lock
+from .planning import QuantizationPlan
+from .report import QuantizeReport
+from .request import QuantizeRequest
+
+
+def blocks_dir(out: Path) -> Path:
+    """The folder a single-file run's method writes (stable, so the run can resume)."""
+    out = Path(out).absolute()
+    return out.parent / f".{out.name}.int4q-blocks"
+
+
+def check_file_name(out: Path, suffix: str, title: str) -> None:
+    if Path(out).suffix.lower() != suffix:
+        raise InputError(f"--out {out}: {title} is one file; give it a name ending in {suffix}")
+
+
+def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: list[Path],
+                    run_folder: Callable[[QuantizeRequest], QuantizeReport]) -> QuantizeReport:
+    """``run_folder`` writes the blocks folder for a request; then the file is assembled from it."""
+    from ..formats.gguf.write import is_int4q_gguf, write_from_blocks
+
+    out = Path(request.out)
+    check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
+    folder = blocks_dir(out)
+    report = run_folder(dataclasses.replace(request, out=folder, overwrite=True))
+    with output_lock(out):
+        target = check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
+        tmp = target.parent / f".{target.name}.int4q-partial"
+        try:
+            write_from_blocks(plan, CheckpointReader(folder), tmp)
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    size = target.stat().st_size
+    params = sum(math.prod(i.shape) for n, i in plan.reader.infos.items() if n not in plan.dropped)
+    report.summary = dataclasses.replace(report.summary, output_bytes=size,
+                                         whole_model_bits_per_weight=round(8 * size / params, 4) if params else None)
+    return report
