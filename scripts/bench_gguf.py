@@ -1,0 +1,154 @@
+"""int4q's GGUF files against llama.cpp's own quantizer, measured by llama.cpp itself.
+
+For one bf16 model: llama.cpp's converter writes the bf16 GGUF (the reference); ``llama-imatrix``
+makes an importance matrix from the calibration text int4q calibrates on (the first half of
+CPython's pydoc_data.topics); ``llama-quantize`` writes each type with and without it; int4q
+writes the same types with each method. Every file is then scored by ``llama-perplexity
+--kl-divergence`` against the bf16 logits on the held-out half (mean KLD, same top token, PPL
+ratio) and timed by ``llama-bench`` (pp512, tg128), one file at a time, same threads.
+
+    python scripts/bench_gguf.py --model models/smollm2 --work /tmp/bench-gguf --threads 2 --json out.json
+
+llama.cpp's tools: ``bash scripts/setup_gguf.sh --build`` (or --llama-bin DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (label, llama-quantize type, int4q --gguf-type); tables (token_embd/output) at Q8_0 on both sides.
+TYPES = {"q4_0": ("Q4_0", "q4_0"), "q4_1": ("Q4_1", "q4_1")}
+METHODS = ("minmax", "weighted", "gptq")
+
+
+def sh(cmd: list, log: Path) -> str:
+    """Run a command, its output appended to ``log``; the output, or exit with its tail."""
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(map(str, cmd))}\n{done.stdout}{done.stderr}\n")
+    if done.returncode:
+        sys.exit(f"failed ({done.returncode}): {' '.join(map(str, cmd))}\n{done.stderr[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    return float(m.group(1)) if m else float("nan")
+
+
+def fidelity(bin_dir: Path, gguf: Path, base: Path, text: Path, ctx: int, chunks: int, threads: int, log: Path):
+    out = sh([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
+              "--kl-divergence-base", base, "--kl-divergence"], log)
+    return {"kld": number(r"Mean\s+KLD:\s+([-\d.]+)", out), "top1": number(r"Same top p:\s+([\d.]+)", out),
+            "ppl_ratio": number(r"Mean PPL\(Q\)/PPL\(base\)\s+:\s+([\d.]+)", out)}
+
+
+def speed(bin_dir: Path, gguf: Path, threads: int, reps: int, log: Path) -> dict:
+    out = sh([bin_dir / "llama-bench", "-m", gguf, "-p", 512, "-n", 128, "-t", threads, "-r", reps, "-o", "json"], log)
+    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    return {("pp512" if r["n_prompt"] else "tg128"): round(r["avg_ts"], 1) for r in rows}
+
+
+def bits_per_weight(gguf: Path) -> float:
+    from gguf import GGUFReader
+
+    params = sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+    return round(8 * gguf.stat().st_size / params, 3)
+
+
+def prepare(args, work: Path, log: Path) -> tuple[Path, Path, Path, Path]:
+    """The bf16 GGUF, its logits on the eval text, the imatrix, and the eval text."""
+    from quantizer.formats.gguf.converter import converter_root
+    from quantizer.io.text import builtin_text
+
+    calib, evalt = work / "calib.txt", work / "eval.txt"
+    calib.write_text(builtin_text("calib"))
+    evalt.write_text(builtin_text("eval"))
+    bf16 = work / "bf16.gguf"
+    if not bf16.exists():
+        sh([sys.executable, converter_root() / "convert_hf_to_gguf.py", args.model, "--outtype", "bf16",
+            "--outfile", bf16], log)
+    base = work / "bf16.kld"
+    if not base.exists():
+        sh([args.llama_bin / "llama-perplexity", "-m", bf16, "-f", evalt, "-c", args.ctx, "--chunks", args.chunks,
+            "-t", args.threads, "--kl-divergence-base", base], log)
+    imatrix = work / "imatrix.gguf"
+    if not imatrix.exists():
+        sh([args.llama_bin / "llama-imatrix", "-m", bf16, "-f", calib, "-c", args.ctx, "-t", args.threads,
+            "-o", imatrix], log)
+    return bf16, base, imatrix, evalt
+
+
+def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[str, Path, float]]:
+    """(label, file, seconds to make it) for every arm, each file made once."""
+    made = []
+    for label in args.types:
+        ltype, itype = TYPES[label]
+        for use_imatrix in (False, True):
+            out = work / f"llama-{label}{'-imatrix' if use_imatrix else ''}.gguf"
+            start = time.perf_counter()
+            if not out.exists():
+                sh([args.llama_bin / "llama-quantize", *(["--imatrix", imatrix] if use_imatrix else []),
+                    "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0", bf16, out, ltype], log)
+            made.append((f"llama-quantize {ltype}{' + imatrix' if use_imatrix else ''}", out,
+                         time.perf_counter() - start))
+        for method in args.methods:
+            out = work / f"int4q-{label}-{method}.gguf"
+            start = time.perf_counter()
+            if not out.exists():
+                calib = ["--nsamples", args.nsamples, "--seqlen", args.seqlen] if method != "minmax" else []
+                sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
+                    "gguf", "--gguf-type", itype, "--recipe", "table8", "--method", method, "--no-progress", *calib],
+                   log)
+            made.append((f"int4q {ltype} {method}", out, time.perf_counter() - start))
+    return made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="bf16 checkpoint folder")
+    ap.add_argument("--work", type=Path, required=True, help="folder for the files (reused when present)")
+    ap.add_argument("--llama-bin", type=Path, default=Path(sys.prefix) / "share/int4q/llama.cpp/build/bin")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=40, help="eval windows of --ctx tokens")
+    ap.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = args.work / "commands.log"
+    bf16, base, imatrix, evalt = prepare(args, args.work, log)
+    rows = []
+    for label, path, seconds in arms(args, args.work, bf16, imatrix, log):
+        row = {"arm": label, "file": str(path), "mb": round(path.stat().st_size / 1e6, 2),
+               "bpw": bits_per_weight(path), "make_s": round(seconds, 1),
+               **fidelity(args.llama_bin, path, base, evalt, args.ctx, args.chunks, args.threads, log)}
+        if args.reps:
+            row.update(speed(args.llama_bin, path, args.threads, args.reps, log))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{args.model.name}, eval: {args.chunks} x {args.ctx} tokens of the held-out text, {args.threads} threads\n")
+    print("| arm | MB | bpw | mean KLD | same top-1 % | PPL ratio | pp512 t/s | tg128 t/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['arm']} | {r['mb']} | {r['bpw']} | {r['kld']:.4f} | {r['top1']:.2f} | {r['ppl_ratio']:.4f} | "
+              f"{r.get('pp512', '-')} | {r.get('tg128', '-')} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""--format gguf end to end: one .gguf whose tensors and metadata are llama.cpp's converter's for the
+source, with int4q's blocks in place of the weights it quantized; verify proves it; bad requests are
+one line and write nothing; llama.cpp itself loads and runs the file (where its tools are built)."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import save_tiny_llama
+
+from quantizer.cli.main import main
+
+gguf = pytest.importorskip("gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+LLAMA_COMPLETION = f"{sys.prefix}/share/int4q/llama.cpp/build/bin/llama-completion"
+
+
+def run(*args, **kwargs):
+    return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
+
+
+def with_tokenizer(folder, smollm2_bf16):
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2_bf16 / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def source(smollm2_bf16, tmp_path_factory):
+    """A tiny tied Llama with SmolLM2's vocabulary and tokenizer (one the converter recognises)."""
+    folder = save_tiny_llama(tmp_path_factory.mktemp("gguf") / "bf16", vocab_size=49152, hidden_size=64,
+                             intermediate_size=128, shard=None)
+    return with_tokenizer(folder, smollm2_bf16)
+
+
+def tensor_types(path):
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def quantize(source, out, *extra):
+    result = run("quantize", "--model", source, "--out", out, "--format", "gguf", "--no-progress", *extra)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def assert_verify_passes(path, source):
+    result = run("verify", path, "--model", source, "--ctx", "64", "--max-windows", "2", "--greedy-tokens", "4")
+    assert result.exit_code == 0 and result.stdout.strip().endswith("PASS"), result.output
+    return result.stdout
+
+
+def test_q4_0_holds_the_converters_tensors_and_metadata_and_passes_verify(source, tmp_path):
+    from quantizer.formats.gguf.assemble import converted_source
+    from quantizer.io.checkpoint import read_config
+
+    out = quantize(source, tmp_path / "m.gguf", "--gguf-type", "q4_0")
+    expected, kv = converted_source(source, read_config(source))
+    types = tensor_types(out)
+    assert list(types) == list(expected)
+    assert {types[n] for n in types if n.endswith(("_proj.weight", "attn_q.weight", "ffn_down.weight"))} <= {"Q4_0"}
+    assert types["token_embd.weight"] == "Q4_0" and types["blk.0.attn_norm.weight"] == "F32"
+    fields = gguf.GGUFReader(out).fields
+    assert fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert fields["tokenizer.ggml.model"].contents() == kv["tokenizer.ggml.model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no blocks folder, no partial file
+    assert "[ok] structure" in assert_verify_passes(out, source)
+
+
+def test_weighted_table8_writes_q4_1_layers_and_a_q8_0_table(source, tmp_path):
+    out = quantize(source, tmp_path / "w.gguf", "--method", "weighted", "--recipe", "table8", "--nsamples", "2",
+                   "--seqlen", "64")
+    types = tensor_types(out)
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.1.ffn_down.weight"] == "Q4_1"
+    assert_verify_passes(out, source)
+
+
+def test_gptq_unties_the_head_into_its_own_output_tensor(source, tmp_path):
+    out = quantize(source, tmp_path / "g.gguf", "--method", "gptq", "--nsamples", "2", "--seqlen", "64")
+    types = tensor_types(out)
+    assert types["output.weight"] == "Q4_1" and "output.weight" not in tensor_types(
+        quantize(source, tmp_path / "rtn.gguf"))
+    assert_verify_passes(out, source)
+
+
+def test_verify_fails_a_file_whose_blocks_are_not_the_nearest_codes(source, tmp_path):
+    out = quantize(source, tmp_path / "m.gguf", "--gguf-type", "q4_0")
+    reader = gguf.GGUFReader(out)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    start = int(t.data_offset)
+    data = bytearray(out.read_bytes())
+    data[start + 2] ^= 0x33  # two codes of the first block, past its fp16 scale
+    out.write_bytes(bytes(data))
+    result = run("verify", out, "--model", source, "--greedy-tokens", "0")
+    assert result.exit_code == 1 and "blk.0.ffn_up.weight: an element is" in result.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--group-size", "64"), "--group-size 64: GGUF stores one scale per 32 weights"),
+    (("--gguf-type", "q4_0", "--asym"), "--gguf-type q4_0 is a symmetric grid; drop --asym"),
+    (("--override", "down_proj=4:64"), "down_proj=4:64: GGUF stores one scale per 32 weights"),
+])
+def test_a_request_the_file_cannot_hold_is_one_line_and_writes_nothing(source, tmp_path, extra, message):
+    result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf", "--no-progress",
+                 *extra)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_architecture_the_converter_does_not_know_is_refused_before_any_work(smollm2_bf16, tmp_path):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    folder = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+                             num_attention_heads=4, word_embed_proj_dim=64)).save_pretrained(folder)
+    with_tokenizer(folder, smollm2_bf16)
+    result = run("quantize", "--model", folder, "--out", tmp_path / "m.gguf", "--format", "gguf")
+    assert result.exit_code != 0 and "llama.cpp's converter does not know OPTForCausalLM" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt"]
+
+
+def test_an_output_name_without_gguf_and_a_missing_converter_are_one_line(source, tmp_path, monkeypatch):
+    from quantizer.formats.gguf import converter
+
+    result = run("quantize", "--model", source, "--out", tmp_path / "m", "--format", "gguf")
+    assert result.exit_code != 0 and "give it a name ending in .gguf" in result.stderr
+    converter.load.cache_clear()
+    monkeypatch.setenv("INT4Q_LLAMA_CPP", str(tmp_path / "nowhere"))
+    try:
+        result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf")
+    finally:
+        converter.load.cache_clear()
+    assert result.exit_code != 0 and "needs llama.cpp's converter" in result.stderr and "setup_gguf.sh" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not built here: "
+                    "bash scripts/setup_gguf.sh --build")
+def test_llama_cpp_loads_and_runs_the_file(source, tmp_path):
+    out = quantize(source, tmp_path / "m.gguf", "--method", "gptq", "--nsamples", "2", "--seqlen", "64")
+    done = subprocess.run([LLAMA_COMPLETION, "-m", str(out), "-p", "The capital of France is", "-n", "8",
+                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+
+
+def test_the_bundled_models_file_has_the_tensors_and_keys_of_convert_hf_to_gguf(smollm2_bf16, tmp_path):
+    """Against the converter's own script run as a user runs it, not int4q's use of its classes."""
+    from quantizer.formats.gguf.converter import converter_root
+
+    ours = quantize(smollm2_bf16, tmp_path / "smol.gguf", "--gguf-type", "q4_0")
+    theirs = tmp_path / "bf16.gguf"
+    subprocess.run([sys.executable, converter_root() / "convert_hf_to_gguf.py", smollm2_bf16, "--outtype", "bf16",
+                    "--outfile", theirs], check=True, capture_output=True)
+    a, b = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    assert [(t.name, list(t.shape)) for t in a.tensors] == [(t.name, list(t.shape)) for t in b.tensors]
+    own = {"general.file_type", "general.quantized_by", "int4q.quantization_config"}
+    assert set(a.fields) - own == set(b.fields) - {"general.file_type"}
+    for key in set(b.fields) - own - {"GGUF.kv_count", "GGUF.tensor_count"}:
+        assert a.fields[key].contents() == b.fields[key].contents(), key
+    kept = {t.name: t for t in b.tensors if t.tensor_type.name == "F32"}
+    assert all(bytes(t.data) == bytes(kept[t.name].data) for t in a.tensors if t.name in kept)

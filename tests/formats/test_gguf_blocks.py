@@ -1,0 +1,57 @@
+"""GGUF blocks: what int4q writes decodes, with the gguf package's own dequantization, to exactly
+the grid int4q rounded onto."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantizer.formats.gguf import blocks as B
+from quantizer.methods.grid import quantize_groupwise, quantize_per_channel
+
+gguf = pytest.importorskip("gguf")
+
+
+def weights(rows, blocks, seed, scale_exp):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 32 * blocks, generator=gen) * 2.0 ** scale_exp).to(torch.bfloat16)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
+       scale_exp=st.integers(-12, 4), symmetric=st.booleans())
+def test_4_bit_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, blocks, seed, scale_exp, symmetric):
+    w = weights(rows, blocks, seed, scale_exp)
+    kind = B.Q4_0 if symmetric else B.Q4_1
+    gq = quantize_groupwise(w, 32, symmetric=symmetric, storage=B.Q4_0_STORAGE if symmetric else B.Q4_1_STORAGE)
+    data = B.encode(gq, kind)
+    assert data.shape == (rows, blocks * kind.nbytes)
+    theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
+    decoded = B.decode(data, kind)
+    assert np.array_equal(theirs, decoded.values().numpy())
+    assert torch.equal(decoded.codes, gq.codes)
+    torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-12, 4))
+def test_q8_0_blocks_decode_to_the_8_bit_grid_exactly(rows, blocks, seed, scale_exp):
+    w = weights(rows, blocks, seed, scale_exp)
+    cq = quantize_per_channel(w, B.Q4_0_STORAGE)
+    assert cq.scale.shape == (rows, blocks) and cq.scale.dtype == torch.float16
+    data = B.encode(cq, B.Q8_0)
+    theirs = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(theirs, cq.dequantize().numpy())
+    assert np.array_equal(theirs, B.decode(data, B.Q8_0).values().numpy())
+
+
+def test_a_grid_the_block_type_cannot_hold_is_refused():
+    w = weights(4, 2, 0, 0)
+    asym = quantize_groupwise(w, 32, symmetric=False, storage=B.Q4_1_STORAGE)
+    with pytest.raises(ValueError, match="Q4_0 holds symmetric grids"):
+        B.encode(asym, B.Q4_0)
+    with pytest.raises(ValueError, match="not fp16 values"):
+        B.encode(quantize_groupwise(weights(4, 2, 0, -18), 32, symmetric=True), B.Q4_0)  # bf16 scales below fp16
+    with pytest.raises(ValueError, match="groups of 32"):
+        B.encode(quantize_groupwise(w, 64, symmetric=True, storage=B.Q4_0_STORAGE), B.Q4_0)
