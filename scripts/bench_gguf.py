@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -52,10 +53,17 @@ def fidelity(bin_dir: Path, gguf: Path, base: Path, text: Path, ctx: int, chunks
             "ppl_ratio": number(r"Mean PPL\(Q\)/PPL\(base\)\s+:\s+([\d.]+)", out)}
 
 
-def speed(bin_dir: Path, gguf: Path, threads: int, reps: int, log: Path) -> dict:
-    out = sh([bin_dir / "llama-bench", "-m", gguf, "-p", 512, "-n", 128, "-t", threads, "-r", reps, "-o", "json"], log)
-    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
-    return {("pp512" if r["n_prompt"] else "tg128"): round(r["avg_ts"], 1) for r in rows}
+def speeds(bin_dir: Path, files: list[Path], threads: int, reps: int, log: Path) -> list[dict]:
+    """pp512 and tg128 tok/s of each file: llama-bench once per file per rep, the files
+    interleaved within each rep (the machine drifts), the median of the reps."""
+    runs: list[list[dict]] = [[] for _ in files]
+    for _ in range(reps):
+        for i, gguf in enumerate(files):
+            out = sh([bin_dir / "llama-bench", "-m", gguf, "-p", 512, "-n", 128, "-t", threads, "-r", 1, "-o", "json"],
+                     log)
+            rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+            runs[i].append({("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in rows})
+    return [{k: round(statistics.median(r[k] for r in per), 1) for k in ("pp512", "tg128")} for per in runs]
 
 
 def bits_per_weight(gguf: Path) -> float:
@@ -105,7 +113,8 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
             out = work / f"int4q-{label}-{method}.gguf"
             start = time.perf_counter()
             if not out.exists():
-                calib = ["--nsamples", args.nsamples, "--seqlen", args.seqlen] if method != "minmax" else []
+                calib = [*(["--nsamples", args.nsamples] if args.nsamples else []),
+                         *(["--seqlen", args.seqlen] if args.seqlen else [])] if method != "minmax" else []
                 sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
                     "gguf", "--gguf-type", itype, "--recipe", "table8", "--method", method, "--no-progress", *calib],
                    log)
@@ -123,29 +132,33 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=40, help="eval windows of --ctx tokens")
     ap.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--nsamples", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--nsamples", type=int, help="calibration windows (default: int4q's for each method)")
+    ap.add_argument("--seqlen", type=int, help="tokens per calibration window (default: int4q's, 512)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")
+    ap.add_argument("--no-fidelity", action="store_true", help="only the speed columns")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "commands.log"
     bf16, base, imatrix, evalt = prepare(args, args.work, log)
     rows = []
-    for label, path, seconds in arms(args, args.work, bf16, imatrix, log):
+    made = arms(args, args.work, bf16, imatrix, log)
+    for label, path, seconds in made:
         row = {"arm": label, "file": str(path), "mb": round(path.stat().st_size / 1e6, 2),
-               "bpw": bits_per_weight(path), "make_s": round(seconds, 1),
-               **fidelity(args.llama_bin, path, base, evalt, args.ctx, args.chunks, args.threads, log)}
-        if args.reps:
-            row.update(speed(args.llama_bin, path, args.threads, args.reps, log))
+               "bpw": bits_per_weight(path), "make_s": round(seconds, 1)}
+        if not args.no_fidelity:
+            row.update(fidelity(args.llama_bin, path, base, evalt, args.ctx, args.chunks, args.threads, log))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.reps:
+        for row, speed in zip(rows, speeds(args.llama_bin, [p for _, p, _ in made], args.threads, args.reps, log)):
+            row.update(speed)
     print(f"\n{args.model.name}, eval: {args.chunks} x {args.ctx} tokens of the held-out text, {args.threads} threads\n")
     print("| arm | MB | bpw | mean KLD | same top-1 % | PPL ratio | pp512 t/s | tg128 t/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['arm']} | {r['mb']} | {r['bpw']} | {r['kld']:.4f} | {r['top1']:.2f} | {r['ppl_ratio']:.4f} | "
-              f"{r.get('pp512', '-')} | {r.get('tg128', '-')} |")
+        fid = " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in ("kld", "top1", "ppl_ratio"))
+        print(f"| {r['arm']} | {r['mb']} | {r['bpw']} | {fid} | {r.get('pp512', '-')} | {r.get('tg128', '-')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

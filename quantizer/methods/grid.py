@@ -36,12 +36,15 @@ class Storage:
     ``zero``: "float" (stored in ``scale_dtype``), "integer" (``zero = (8 - z) * scale`` for an
     integer zero point z in [1, 15], as GPTQ v1 and GGUF's Q4_0 hold it) or "min" (an fp16 minimum
     m beside the scale, ``zero = m + 8 * scale``, as GGUF's Q4_1 holds it). ``int8_block``: input
-    columns per 8-bit scale (None: one per output channel).
+    columns per 8-bit scale (None: one per output channel). ``signed_scale``: a symmetric grid may
+    take a negative scale, so that a group's largest magnitude gets code 0 whatever its sign (an
+    eighth of it a step, as llama.cpp's Q4_0 does) instead of a seventh when it is positive.
     """
 
     scale_dtype: torch.dtype = torch.bfloat16
     zero: str = "float"
     int8_block: int | None = None
+    signed_scale: bool = False
 
     @property
     def exact_dtype(self) -> torch.dtype:
@@ -97,19 +100,23 @@ def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
     """Per-group range [lo, hi] (fp32) -> (scale, zero) as ``storage`` holds them, in its
     ``exact_dtype`` (fp32 for an integer or minimum zero, whose products are exact there)."""
     if symmetric:
-        scale = torch.maximum(-lo / MID, hi / (QMAX - MID)).clamp(min=0.0)
-    else:
-        scale = (hi - lo) / QMAX
+        if storage.signed_scale:
+            return stored_symmetric(torch.where(hi > -lo, -hi / MID, -lo / MID), storage)
+        return stored_symmetric(torch.maximum(-lo / MID, hi / (QMAX - MID)).clamp(min=0.0), storage)
+    scale = (hi - lo) / QMAX
     if storage.zero == "float":
-        zero = torch.zeros_like(scale) if symmetric else lo + MID * scale
-        return scale.to(storage.scale_dtype), zero.to(storage.scale_dtype)
+        return scale.to(storage.scale_dtype), (lo + MID * scale).to(storage.scale_dtype)
     scale = scale.to(storage.scale_dtype).to(torch.float32)
-    if symmetric:
-        return scale, torch.zeros_like(scale)
     if storage.zero == "min":
         return scale, lo.to(storage.scale_dtype).to(torch.float32) + MID * scale
     z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
     return scale, (MID - z) * scale
+
+
+def stored_symmetric(scale: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric grid's (scale, zero 0) as ``storage`` holds them."""
+    stored = scale.to(storage.scale_dtype).to(storage.exact_dtype)
+    return stored, torch.zeros_like(stored)
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -196,10 +203,10 @@ def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
     sw, su, suu = weights.sum(-1), (weights * u).sum(-1), (weights * u * u).sum(-1)
     sw_w, su_w = (weights * g).sum(-1), (weights * u * g).sum(-1)
     if symmetric:
-        scale, zero = su_w / suu.clamp(min=1e-30), torch.zeros_like(su_w)
-    else:
-        det = (suu * sw - su * su).clamp(min=1e-30)
-        scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
+        scale = su_w / suu.clamp(min=1e-30)
+        return stored_symmetric(scale if storage.signed_scale else scale.clamp(min=0.0), storage)
+    det = (suu * sw - su * su).clamp(min=1e-30)
+    scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
     scale = scale.clamp(min=0.0)
     lo, hi = zero - MID * scale, zero + (QMAX - MID) * scale
     return grid_params(lo, hi, symmetric, storage)

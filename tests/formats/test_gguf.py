@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import save_tiny_llama
+from conftest import interrupt_gptq_at_second_layer, save_tiny_llama
 
 from quantizer.cli.main import main
 
@@ -175,3 +175,15 @@ def test_where_the_converter_writes_no_head_of_its_own_gptq_keeps_the_head_tied(
     assert any("read the head from the table" in note for note in plan.notes)
     with pytest.raises(Exception, match="cannot be untied"):
         plan_quantization(source, QuantizeOptions(checkpoint_format="gguf", untie_head=True))
+
+
+def test_an_interrupted_gptq_run_resumes_to_the_same_file(source, tmp_path, monkeypatch):
+    gptq = ("--method", "gptq", "--nsamples", "2", "--seqlen", "64")
+    whole = quantize(source, tmp_path / "whole.gguf", *gptq)
+    undo = interrupt_gptq_at_second_layer(monkeypatch)
+    result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf", "--no-progress", *gptq)
+    assert result.exit_code == 130 and "--resume" in result.stderr and not (tmp_path / "m.gguf").exists()
+    undo()
+    resumed = quantize(source, tmp_path / "m.gguf", *gptq, "--resume")
+    assert resumed.read_bytes() == whole.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "whole.gguf"]

@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.methods.grid import BF16, INTEGER_ZERO, ErrorStats, quantize_groupwise, round_to_grid
+from quantizer.methods.grid import BF16, INTEGER_ZERO, ErrorStats, Storage, quantize_groupwise, round_to_grid
+
+SIGNED = Storage(torch.float16, "integer", signed_scale=True)
 
 BF16_EPS = 2.0**-8
 
@@ -119,16 +121,28 @@ def weighted_error(w, gq, weights):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([32, 64]), sym=st.booleans(), integer=st.booleans())
-def test_the_weighted_search_is_never_worse_than_min_max_on_its_own_objective(seed, group, sym, integer):
+@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([32, 64]), sym=st.booleans(),
+       storage=st.sampled_from([BF16, INTEGER_ZERO, SIGNED]))
+def test_the_weighted_search_is_never_worse_than_min_max_on_its_own_objective(seed, group, sym, storage):
     w = random_weight(16, 128, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     weights = torch.rand(128, generator=gen).pow(4) * 10  # a few columns matter much more
-    plain = quantize_groupwise(w, group, symmetric=sym, storage=INTEGER_ZERO if integer else BF16)
-    searched = quantize_groupwise(w, group, symmetric=sym, storage=INTEGER_ZERO if integer else BF16, column_weights=weights)
+    plain = quantize_groupwise(w, group, symmetric=sym, storage=storage)
+    searched = quantize_groupwise(w, group, symmetric=sym, storage=storage, column_weights=weights)
     assert weighted_error(w, searched, weights) <= weighted_error(w, plain, weights) * (1 + 1e-6)
     g = w.float().reshape(16, 128 // group, group)  # codes are the nearest points of the stored grid
     assert torch.equal(searched.codes.reshape(g.shape), round_to_grid(g, searched.scale, searched.zero))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_a_signed_symmetric_grid_gives_the_largest_magnitude_code_0_and_an_eighth_of_it_a_step(seed):
+    w = random_weight(16, 64, seed).float()
+    gq = quantize_groupwise(w, 32, symmetric=True, storage=SIGNED)
+    g = w.reshape(16, 2, 32)
+    extreme = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(gq.scale, (-extreme / 8).to(torch.float16).float(), rtol=0, atol=0)
+    assert bool((gq.codes.reshape(16, 2, 32).gather(-1, g.abs().argmax(-1, keepdim=True)) == 0).all())
 
 
 def test_the_weighted_search_gains_where_columns_differ():

@@ -35,7 +35,7 @@ Q4_1 = BlockType("Q4_1", 4, False, 20)
 Q8_0 = BlockType("Q8_0", 8, None, 34)
 TYPES = {t.name: t for t in (Q4_0, Q4_1, Q8_0)}
 
-Q4_0_STORAGE = Storage(torch.float16, "integer", BLOCK)
+Q4_0_STORAGE = Storage(torch.float16, "integer", BLOCK, signed_scale=True)  # as llama.cpp rounds Q4_0
 Q4_1_STORAGE = Storage(torch.float16, "min", BLOCK)
 
 
