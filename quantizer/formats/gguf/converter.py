@@ -39,9 +39,10 @@ def converter_root() -> Path:
 def load() -> tuple[object, object]:
     """(the ``conversion`` package, the ``gguf`` package it was written against)."""
     root = converter_root()
-    for path in (root / "gguf-py", root):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
+    if str(root / "gguf-py") not in sys.path:
+        sys.path.insert(0, str(root / "gguf-py"))  # its own writer before any other gguf
+    if str(root) not in sys.path:
+        sys.path.append(str(root))  # last: the checkout's other folders never shadow a package
     gguf = importlib.import_module("gguf")
     if Path(gguf.__file__).resolve().parent.parent != (root / "gguf-py").resolve():
         _check_same_writer(gguf, root)
