@@ -81,7 +81,7 @@ def check_structure(reader, expected: dict, expected_kv: dict, source_tied: bool
 
 def _nearest_excess(stored, source: torch.Tensor, kind) -> float:
     """Largest |error| beyond the block grid's nearest point, over a tensor."""
-    from ..formats.gguf.blocks import MID
+    from ..methods.grid import MID
 
     n, k = source.shape
     w = source.reshape(n, -1, 32)
