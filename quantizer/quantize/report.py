@@ -71,13 +71,18 @@ class QuantizeReport:
         return {**d, "summary": self.summary.to_json()}
 
 
+def source_params(plan: QuantizationPlan) -> int:
+    """The source's parameters, a tied table counted once (its dropped copies are not)."""
+    return sum(math.prod(i.shape) for n, i in plan.reader.infos.items() if n not in plan.dropped)
+
+
 def build_report(plan: QuantizationPlan, per_tensor: dict[str, dict], shards: list[Path]) -> QuantizeReport:
     """The report of a finished output (``seconds`` and ``peak_rss_mb`` still to fill in)."""
     snrs = [s["snr_db"] for s in per_tensor.values() if s["snr_db"] is not None]
     params = sum(e["shape"][0] * e["shape"][1] for e in per_tensor.values())
     quantized_bytes = sum(e["bytes"] for e in per_tensor.values())
     output_bytes = sum(p.stat().st_size for p in shards)
-    model_params = sum(math.prod(i.shape) for n, i in plan.reader.infos.items() if n not in plan.dropped)
+    model_params = source_params(plan)
     summary = Summary(
         tensors_quantized=len(per_tensor),
         quantized_params=params,

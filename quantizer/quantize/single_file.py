@@ -5,16 +5,15 @@ folder is removed."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
 from ..io.checkpoint import CheckpointReader
-from ..io.outdir import check_output_file, output_lock
+from ..io.outdir import check_output_file, output_lock, partial_dir
 from .planning import QuantizationPlan
-from .report import QuantizeReport
+from .report import QuantizeReport, source_params
 from .request import QuantizeRequest
 
 
@@ -40,15 +39,14 @@ def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: li
     report = run_folder(dataclasses.replace(request, out=folder, overwrite=True))
     with output_lock(out):
         target = check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
-        tmp = target.parent / f".{target.name}.int4q-partial"
+        tmp = partial_dir(target)  # a file here: the same hidden name beside the target
         try:
             write_from_blocks(plan, CheckpointReader(folder), tmp)
             tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
-    size = target.stat().st_size
-    params = sum(math.prod(i.shape) for n, i in plan.reader.infos.items() if n not in plan.dropped)
+    size, params = target.stat().st_size, source_params(plan)
     report.summary = dataclasses.replace(report.summary, output_bytes=size,
                                          whole_model_bits_per_weight=round(8 * size / params, 4) if params else None)
     return report
