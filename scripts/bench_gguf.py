@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # (label, llama-quantize type, int4q --gguf-type); tables (token_embd/output) at Q8_0 on both sides.
-TYPES = {"q4_0": ("Q4_0", "q4_0"), "q4_1": ("Q4_1", "q4_1")}
+# Q4_K: llama-quantize --pure, every other tensor Q4_K as in int4q's file (no Q4_K_M mixture).
+TYPES = {"q4_0": ("Q4_0", "q4_0"), "q4_1": ("Q4_1", "q4_1"), "q4_k": ("Q4_K", "q4_k")}
+PURE = {"q4_k"}
 METHODS = ("minmax", "weighted", "gptq")
 
 
@@ -106,6 +108,7 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
             start = time.perf_counter()
             if not out.exists():
                 sh([args.llama_bin / "llama-quantize", *(["--imatrix", imatrix] if use_imatrix else []),
+                    *(["--pure"] if label in PURE else []),
                     "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0", bf16, out, ltype], log)
             made.append((f"llama-quantize {ltype}{' + imatrix' if use_imatrix else ''}", out,
                          time.perf_counter() - start))

@@ -90,11 +90,13 @@ def _bits(value: str | None) -> int | None:
 @click.option("--format", "checkpoint_format", default=RUNTIME_FORMAT, show_default=True,
               type=click.Choice(FORMAT_NAMES),
               help="cpu_int4 (this runtime, verify, push); the GPTQ v1 layout (qweight/qzeros/scales/"
-                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders, the embedding then bf16; or one .gguf file "
-                   "for llama.cpp, Ollama and LM Studio, written by llama.cpp's own converter.")
-@click.option("--gguf-type", type=click.Choice(["q4_0", "q4_1"]),
-              help="[gguf] The 4-bit block type: q4_0 (symmetric, --sym) or q4_1 (asymmetric, the default); 8-bit "
-                   "modules are Q8_0, kept ones as llama.cpp's converter writes them.")
+                   "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders, the embedding then bf16; AWQ's layout (the "
+                   "asymmetric grid vLLM's CPU backend runs); or one .gguf file for llama.cpp, Ollama and LM Studio, "
+                   "written by llama.cpp's own converter.")
+@click.option("--gguf-type", type=click.Choice(["q4_0", "q4_1", "q4_k"]),
+              help="[gguf] The 4-bit block type: q4_0 (symmetric, --sym), q4_1 (asymmetric, the default) or q4_k "
+                   "(asymmetric super-blocks of 256, Q4_1 for rows 256 does not divide); 8-bit modules are Q8_0, "
+                   "kept ones as llama.cpp's converter writes them.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
              calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
@@ -121,6 +123,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         max_shard_bytes=max_shard_size, method=method, checkpoint_format=checkpoint_format,
         recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
         overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
+        gguf_type=gguf_type,
     )
     settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
     request = QuantizeRequest(model, out, options, overwrite, base_model, calib,

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..methods.grid import ChannelQuantized, GroupQuantized, Storage
     from ..spec.scheme import ModuleScheme
 
-MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "gguf": "gguf"}  # --format name -> module in this package
+MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "awq": "awq", "gguf": "gguf"}  # --format name -> module in this package
 NAMES = tuple(MODULES)
 RUNTIME_FORMAT = "cpu_int4"  # the one int4q's runtime runs, verify checks and the card shows how to run
 
@@ -39,6 +39,7 @@ class CheckpointFormat(Protocol):
     single_file: bool  # the output is one file (named ``suffix``), not a folder
     group_sizes: tuple[int, ...]  # the 4-bit group sizes it can hold
     out_dim_multiple: int  # what every quantized module's output dim must be a multiple of
+    one_group_size: bool  # its config holds one group size for every 4-bit module
 
     def grid_storage(self, symmetric: bool) -> Storage:
         """How it stores a run's 4-bit grids (and 8-bit scales), which the methods round against."""
@@ -61,10 +62,12 @@ class CheckpointFormat(Protocol):
         """What is wrong with one module's tensors (name -> TensorInfo): missing, dtype, shape."""
 
 
-def get_format(name: str) -> CheckpointFormat:
+def get_format(name: str, variant: str | None = None) -> CheckpointFormat:
+    """The format named ``name``; ``variant`` one of its own (the gguf format's block types)."""
     if name not in MODULES:
         raise UnsupportedError(f"format {name!r} is not one of {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{MODULES[name]}").FORMAT
+    module = importlib.import_module(f"{__name__}.{MODULES[name]}")
+    return module.FORMAT if variant is None else module.variant(variant)
 
 
 def format_of_config(quantization_config: dict) -> CheckpointFormat | None:

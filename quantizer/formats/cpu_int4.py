@@ -30,6 +30,7 @@ class CpuInt4Format:
     default_symmetric, head_kept_by_default = False, False
     bits = (4, 8)
     single_file, group_sizes, out_dim_multiple = False, GROUP_SIZES, PACK_N_ALIGN
+    one_group_size = False
     description = "cpu_int4 (uint8 nibbles, bf16 scale and zero per group)"
     read_by = "int4q's runtime and vLLM's cpu_int4 reader"
 

@@ -19,6 +19,7 @@ from ..io.shards import TensorSpec
 from ..methods.grid import INTEGER_ZERO, MID, GroupQuantized, Storage
 from ..spec.scheme import GROUP_SIZES, ModuleScheme
 from .packing import PACK_N_ALIGN
+from .spec_check import export_problems
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
@@ -101,6 +102,7 @@ class GptqV1Format:
     default_symmetric, head_kept_by_default = True, True
     bits = (4,)
     single_file, group_sizes, out_dim_multiple = False, GROUP_SIZES, PACK_N_ALIGN
+    one_group_size = True
     read_by = "vLLM and GPTQ loaders"
 
     def grid_storage(self, symmetric: bool) -> Storage:
@@ -125,15 +127,7 @@ class GptqV1Format:
         return gptq_quantization_config(qconfig.group_size, qconfig.symmetric, head_quantized, damp)
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
-        if scheme.bits not in self.bits:
-            return [f"{module}: the {self.title} export holds 4-bit modules only, not {scheme.bits}-bit"]
-        missing = [f"{module}.{s}" for s in SUFFIXES if f"{module}.{s}" not in infos]
-        if missing:
-            return [f"{missing[0]}: missing"]
-        k8, n = infos[f"{module}.qweight"].shape
-        want = {spec.name: spec for spec in self.tensor_specs(module, (n, 8 * k8), scheme)}
-        return [f"{name}: {infos[name].dtype} {list(infos[name].shape)}, expected {spec.dtype} {list(spec.shape)}"
-                for name, spec in want.items() if (infos[name].dtype, tuple(infos[name].shape)) != (spec.dtype, spec.shape)]
+        return export_problems(self, module, infos, scheme, SUFFIXES, lambda qweight: (qweight[1], 8 * qweight[0]))
 
 
 FORMAT = GptqV1Format()

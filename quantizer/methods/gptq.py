@@ -7,7 +7,8 @@ blocks of ``block_size`` columns.
 
 Groups use the cpu_int4 grid (see grid.py). With ``act_order`` columns are visited in order
 of decreasing diag(H), and the groups stay *static*: each contiguous group's scale and zero
-are fixed up front from the original weights, so the result needs no g_idx.
+are fixed up front from the original weights, so the result needs no g_idx. Groups stored in
+K-quant super-blocks are static too, their grids fixed before the first column.
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
     stored = storage.exact_dtype
     scale = torch.empty(n, groups, dtype=stored, device=W.device)
     zero = torch.empty(n, groups, dtype=stored, device=W.device)
-    if act_order:
+    static = act_order or storage.couples(groups)  # a super-block's groups share their grids' units
+    if static:
         s, z = params_of(W.reshape(n, groups, group_size), 0)  # static groups, from the original weights
         scale[:], zero[:] = s, z
+    if act_order:
         W = W[:, perm]
     group_of = perm // group_size  # group of each (permuted) column
     codes = torch.empty(n, k, dtype=torch.uint8, device=W.device)
@@ -156,7 +159,7 @@ def _solve_rows(W, U, perm, dead, group_size, symmetric, act_order, block_size, 
         for i in range(i2 - i1):
             col = i1 + i
             g = group_of[col].item()
-            if not act_order and col % group_size == 0:
+            if not static and col % group_size == 0:
                 # lazy groups: params from the weights as updated so far (this block's in W1)
                 cols = torch.cat([W1[:, i:i + group_size], W[:, i2:col + group_size]], dim=1)
                 s, z = params_of(cols.unsqueeze(1), col)

@@ -9,8 +9,9 @@ import torch
 
 from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
+from .error_stats import ErrorStats
 from .gptq import HessianAccumulator, gptq_quantize, proxy_loss
-from .grid import BF16, ROW_CHUNK, ErrorStats, GroupQuantized, Storage, quantize_groupwise
+from .grid import BF16, ROW_CHUNK, GroupQuantized, Storage, quantize_groupwise
 from .rtn import quantize_rtn
 
 

@@ -9,7 +9,8 @@ bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8)
   [-8, 7] * scale still covers the group.
 
 Codes are always chosen against the scale and zero *as stored* (:class:`Storage`: bf16 for
-cpu_int4, fp16 and an integer or fp16 zero for the GPTQ and GGUF layouts).
+cpu_int4, fp16 and an integer or fp16 zero for the GPTQ and GGUF layouts, or GGUF's K-quant
+super-blocks, whose groups' scales and minimums are 6-bit multiples of two fp16 values each).
 
 8-bit modules use symmetric grids, ``w = q * scale`` with q in [-127, 127]: one per output
 channel, or (``Storage.int8_block``) one per block of consecutive input columns.
@@ -17,13 +18,14 @@ channel, or (``Storage.int8_block``) one per block of consecutive input columns.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-QMAX = 15
-MID = 8  # the code that dequantizes to ``zero``
+from .codes import MID, QMAX, dequantize_codes, grid_values, group_sq_error, round_to_grid  # noqa: F401 (re-exported)
+from .superblock import superblock_grids
+
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
 WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist()
@@ -39,20 +41,40 @@ class Storage:
     columns per 8-bit scale (None: one per output channel). ``signed_scale``: a symmetric grid may
     take a negative scale, so that a group's largest magnitude gets code 0 whatever its sign (an
     eighth of it a step, as llama.cpp's Q4_0 does) instead of a seventh when it is positive.
+    ``superblock``: groups per K-quant super-block (asymmetric grids only), whose scales and
+    minimums (at most 0) are 0..63 times one fp16 unit each; a row whose groups do not fill
+    super-blocks is stored as this storage without them.
     """
 
     scale_dtype: torch.dtype = torch.bfloat16
     zero: str = "float"
     int8_block: int | None = None
     signed_scale: bool = False
+    superblock: int | None = None
 
     @property
     def exact_dtype(self) -> torch.dtype:
-        """The dtype that holds a stored scale and zero exactly."""
+        """The dtype that holds a stored scale and zero exactly (fp64 for super-blocks, whose zero
+        is the difference of two products of fp16 and 6-bit values)."""
+        if self.superblock:
+            return torch.float64
         return self.scale_dtype if self.zero == "float" else torch.float32
+
+    def couples(self, groups: int) -> bool:
+        """Whether a row of ``groups`` groups is stored in super-blocks."""
+        return bool(self.superblock) and groups % self.superblock == 0
+
+    def for_row(self, groups: int) -> "Storage":
+        """The storage each group's own grid is chosen on, for a row of ``groups`` groups: fp32
+        (then stored by :func:`superblock_grids`) where super-blocks couple them, else itself
+        without super-blocks."""
+        if self.couples(groups):
+            return FP32
+        return dataclasses.replace(self, superblock=None) if self.superblock else self
 
 
 BF16 = Storage()
+FP32 = Storage(torch.float32)
 INTEGER_ZERO = Storage(torch.float16, "integer")
 
 
@@ -75,19 +97,6 @@ class GroupQuantized:
         return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows])
 
 
-def grid_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``(q - 8) * scale + zero`` in fp32: codes [..., group], scale and zero [...] per group."""
-    return (codes.to(torch.float32) - MID) * scale.to(torch.float32).unsqueeze(-1) + zero.to(torch.float32).unsqueeze(-1)
-
-
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """Weight [N, K] from codes [N, K] (any dtype holding 0..15) and scale, zero [N, K // group],
-    computed in fp32 and rounded once to ``dtype``."""
-    n, k = codes.shape
-    groups = scale.shape[1]
-    return grid_values(codes.reshape(n, groups, k // groups), scale, zero).reshape(n, k).to(dtype)
-
-
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = w.shape
     if k % group_size:
@@ -99,6 +108,10 @@ def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
                 storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group range [lo, hi] (fp32) -> (scale, zero) as ``storage`` holds them, in its
     ``exact_dtype`` (fp32 for an integer or minimum zero, whose products are exact there)."""
+    if storage.superblock:
+        own = storage.for_row(lo.shape[-1])
+        params = grid_params(lo, hi, symmetric, own)
+        return superblock_grids(*params, storage.superblock) if own is FP32 else params
     if symmetric:
         if storage.signed_scale:
             return stored_symmetric(torch.where(hi > -lo, -hi / MID, -lo / MID), storage)
@@ -119,18 +132,6 @@ def stored_symmetric(scale: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
     return stored, torch.zeros_like(stored)
 
 
-def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Nearest codes for w [..., group] (fp32) on a grid given per group [...] -> uint8 in 0..15.
-
-    A group with scale 0 (all its values equal) gets code 8, which dequantizes to ``zero``.
-    """
-    s = scale.to(torch.float32).unsqueeze(-1)
-    z = zero.to(torch.float32).unsqueeze(-1)
-    safe = torch.where(s == 0, torch.ones_like(s), s)
-    q = torch.round((w - z) / safe + MID).clamp_(0, QMAX)
-    return torch.where(s == 0, torch.full_like(q, float(MID)), q).to(torch.uint8)
-
-
 def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False,
                        storage: Storage = BF16, column_weights: torch.Tensor | None = None) -> GroupQuantized:
     """Round-to-nearest quantization of w [N, K] (any float dtype); ``storage`` as in :func:`grid_params`.
@@ -141,6 +142,14 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     the one of :func:`weighted_grid_search`.
     """
     g = _grouped(w, group_size)
+    if storage.superblock:
+        own = storage.for_row(g.shape[1])
+        free = quantize_groupwise(w, group_size, symmetric, clip_search, own, column_weights)
+        if own is not FP32:
+            return free
+        weights = None if column_weights is None else column_weights.reshape(g.shape[1:])
+        scale, zero = superblock_grids(free.scale, free.zero, storage.superblock, g, weights)
+        return GroupQuantized(round_to_grid(g, scale, zero).reshape(w.shape), scale, zero)
     if column_weights is not None:
         scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, storage)
         return GroupQuantized(codes.reshape(w.shape), scale, zero)
@@ -148,7 +157,7 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     scale, zero = grid_params(lo, hi, symmetric, storage)
     codes = round_to_grid(g, scale, zero)
     if clip_search:
-        best_err = _group_sq_error(g, codes, scale, zero)
+        best_err = group_sq_error(g, codes, scale, zero)
         for shrink in CLIP_SHRINKS[1:]:
             if symmetric:
                 s_lo, s_hi = lo * shrink, hi * shrink
@@ -157,7 +166,7 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
                 s_lo, s_hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
             s2, z2 = grid_params(s_lo, s_hi, symmetric, storage)
             c2 = round_to_grid(g, s2, z2)
-            err = _group_sq_error(g, c2, s2, z2)
+            err = group_sq_error(g, c2, s2, z2)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             scale = torch.where(better, s2, scale)
@@ -167,11 +176,6 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     return GroupQuantized(codes.reshape(n, k), scale, zero)
 
 
-def _group_sq_error(g, codes, scale, zero, weights=None) -> torch.Tensor:
-    err = (grid_values(codes, scale, zero) - g).pow(2)
-    return (err if weights is None else err * weights).sum(dim=-1)
-
-
 def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool,
                          storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
@@ -179,18 +183,26 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
 
     Candidates: the min/max grid, each range shrunk by the factors of ``WEIGHTED_SHRINKS``, and for
     each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a
-    candidate, so the result is never worse than it on this objective.
+    candidate, so the result is never worse than it on this objective (before a super-block
+    storage rounds the winner's scale and minimum).
     """
+    if storage.superblock:
+        own = storage.for_row(g.shape[1])
+        scale, zero, codes = weighted_grid_search(g, weights, symmetric, own)
+        if own is not FP32:
+            return scale, zero, codes
+        scale, zero = superblock_grids(scale, zero, storage.superblock, g, weights)
+        return scale, zero, round_to_grid(g, scale, zero)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
-    best = _group_sq_error(g, round_to_grid(g, scale, zero), scale, zero, weights)
+    best = group_sq_error(g, round_to_grid(g, scale, zero), scale, zero, weights)
     mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
     for shrink in WEIGHTED_SHRINKS:
         c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, storage)
         c_codes = round_to_grid(g, c_scale, c_zero)
         refit = _least_squares_grid(g, c_codes, weights, symmetric, storage)
         for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit))):
-            err = _group_sq_error(g, c_codes, c_scale, c_zero, weights)
+            err = group_sq_error(g, c_codes, c_scale, c_zero, weights)
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
@@ -210,36 +222,6 @@ def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
     scale = scale.clamp(min=0.0)
     lo, hi = zero - MID * scale, zero + (QMAX - MID) * scale
     return grid_params(lo, hi, symmetric, storage)
-
-
-class ErrorStats:
-    """Accumulates SNR (dB, signal power over error power) and max abs error over chunks."""
-
-    def __init__(self) -> None:
-        self.signal = 0.0
-        self.noise = 0.0
-        self.max_abs_err = 0.0
-
-    def add(self, reference: torch.Tensor, approx: torch.Tensor) -> None:
-        ref = reference.to(torch.float32)
-        err = approx.to(torch.float32) - ref
-        self.signal += ref.pow(2).sum().item()
-        self.noise += err.pow(2).sum().item()
-        if err.numel():
-            self.max_abs_err = max(self.max_abs_err, err.abs().max().item())
-
-    @property
-    def snr_db(self) -> float:
-        if self.noise == 0:
-            return float("inf")
-        if self.signal == 0:
-            return float("-inf")
-        return 10.0 * math.log10(self.signal / self.noise)
-
-    def as_dict(self) -> dict[str, float | None]:
-        """JSON-ready: an exact tensor's infinite SNR becomes null."""
-        snr = self.snr_db
-        return {"snr_db": round(snr, 4) if math.isfinite(snr) else None, "max_abs_err": self.max_abs_err}
 
 
 QMAX8 = 127

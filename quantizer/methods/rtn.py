@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from ..spec.scheme import ModuleScheme
+from .error_stats import ErrorStats
 from .grid import (
     BF16,
     ROW_CHUNK,
     ChannelQuantized,
-    ErrorStats,
     GroupQuantized,
     Storage,
     quantize_groupwise,

@@ -53,6 +53,11 @@ class QuantizeOptions:
     head_bits: int | None = None  # None: the table's when tied, else the recipe's
     overrides: tuple[Override, ...] = ()
     strict_group_size: bool = False
+    gguf_type: str | None = None  # the gguf format's block types (None: Q4_0/Q4_1 by the grid)
+
+    @property
+    def output_format(self) -> CheckpointFormat:
+        return get_format(self.checkpoint_format, self.gguf_type)
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class QuantizationPlan:
 
     @property
     def format(self) -> CheckpointFormat:
-        return get_format(self.options.checkpoint_format)
+        return self.options.output_format
 
     @property
     def storage(self) -> Storage:
@@ -146,7 +151,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         if not isinstance(info.dtype, torch.dtype):
             raise InputError(f"tensor {name} has dtype {info.dtype}, which int4q cannot read")
     _check_overrides_match(options.overrides, structure)
-    fmt = get_format(options.checkpoint_format)
+    fmt = options.output_format
     options = _format_group(options, fmt)
     options, notes = _implied_options(options, structure, _separate_head_ok(fmt, model_dir, config))
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
@@ -155,7 +160,11 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     group, schemes, fallbacks = assign_schemes({m: infos[s].shape[1] for m, s in targets.items()}, base_bits,
                                                options.group_size, options.symmetric, options.overrides,
                                                options.strict_group_size)
-    fallbacks.update(fmt.fit_schemes(schemes, {m: infos[s].shape[1] for m, s in targets.items()}))
+    if fmt.one_group_size:
+        _check_one_group(schemes, group, {m: infos[s].shape[1] for m, s in targets.items()}, fmt)
+    format_notes = fmt.fit_schemes(schemes, {m: infos[s].shape[1] for m, s in targets.items()})
+    fallbacks.update(format_notes)
+    notes += _grouped_notes(format_notes)
     _check_schemes(schemes, fmt)
     emb = structure.embedding
     _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos,
@@ -172,6 +181,29 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     )
     return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
                             tied_output, notes=tuple(notes), fallbacks=fallbacks)
+
+
+def _check_one_group(schemes: dict[str, ModuleScheme], group: int, k_dims: dict[str, int],
+                     fmt: CheckpointFormat) -> None:
+    """InputError where a 4-bit module's group is not the checkpoint's, for a format whose config
+    holds one group size (its loaders would read that module with the wrong one)."""
+    odd = sorted(m for m, s in schemes.items() if s.bits == 4 and s.group_size != group)
+    if not odd:
+        return
+    four = [k_dims[m] for m, s in schemes.items() if s.bits == 4]
+    sizes = [g for g in fmt.group_sizes if all(k % g == 0 for k in four)]
+    fix = f"use --group-size {sizes[-1]}" if sizes else "no group size divides every module's input dim"
+    raise InputError(f"the {fmt.title} export holds one group size for the whole model, but {odd[0]} (K={k_dims[odd[0]]}) "
+                     f"would be group {schemes[odd[0]].group_size}, not {group}; {fix}")
+
+
+def _grouped_notes(notes: dict[str, str]) -> list[str]:
+    """One line per distinct note of module -> note, naming how many modules and the first."""
+    by_note: dict[str, list[str]] = {}
+    for module, note in notes.items():
+        by_note.setdefault(note, []).append(module)
+    return [f"{note} ({modules[0]}" + (f" and {len(modules) - 1} more)" if len(modules) > 1 else ")")
+            for note, modules in by_note.items()]
 
 
 def _check_overrides_match(overrides: tuple[Override, ...], structure: ModelStructure) -> None:
@@ -236,13 +268,13 @@ def _implied_options(options: QuantizeOptions, structure: ModelStructure,
     emb, head = structure.embedding, structure.head
     kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
     options = dataclasses.replace(options, ignore=options.ignore + kept)
-    fmt = get_format(options.checkpoint_format)
+    fmt = options.output_format
     if options.symmetric is None:
         options = dataclasses.replace(options, symmetric=fmt.default_symmetric)
         if fmt.default_symmetric:
             notes.append(f"the {fmt.name} export uses a symmetric grid, the one every GPTQ loader accepts "
                          "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for transformers "
-                         "(vLLM 0.32 refuses sym=False)")
+                         "(vLLM 0.32 refuses sym=False: --format awq is the asymmetric grid vLLM runs)")
     table = _table_bits(options, emb)
     if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
         if options.embedding_bits is not None:

@@ -60,13 +60,12 @@ def quantize_checkpoint(request: QuantizeRequest, progress: Progress = Progress(
 
 
 def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> QuantizeReport | None:
-    from ..formats import get_format
     from ..io.outdir import check_free_space, check_output_target
     from ..io.source import base_model_id, resolve_model_dir
     from .single_file import check_file_name, run_single_file
 
     info = get_method(request.options.method)
-    fmt = get_format(request.options.checkpoint_format)
+    fmt = request.options.output_format
     if fmt.single_file:
         check_file_name(request.out, fmt.suffix, fmt.title)
     model_dir = resolve_model_dir(request.model)

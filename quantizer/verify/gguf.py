@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..methods.grid import ErrorStats
+from ..methods.error_stats import ErrorStats
 from ..spec.methods import get_method
 from .structure import CheckResult
 from .tensors import TensorStats
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 OWN_KEYS = ("general.file_type", "general.quantized_by", "int4q.quantization_config")
 
 

@@ -12,7 +12,8 @@ from ..errors import Int4qError
 from ..formats.packing import scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
 from ..io.checkpoint import CheckpointReader, read_config
 from ..io.structure import inspect_structure, tie_word_embeddings
-from ..methods.grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, ErrorStats, dequantize_codes
+from ..methods.error_stats import ErrorStats
+from ..methods.grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, dequantize_codes
 from ..runtime.native.dequant import dequantize_int4pack
 from ..runtime.native.gemv import int4pack_mm
 from ..spec.methods import get_method

@@ -53,8 +53,9 @@ def test_the_check_names_a_missing_or_misshaped_tensor(name):
 def test_formats_are_found_by_name_and_by_config():
     assert format_of_config({"quant_method": "cpu_int4"}) is get_format("cpu_int4")
     assert format_of_config({"quant_method": "gptq", "bits": 4}) is get_format("gptq")
-    assert format_of_config({"quant_method": "awq"}) is None and format_of_config("junk") is None
-    with pytest.raises(UnsupportedError, match="format 'exl2' is not one of cpu_int4, gptq, gguf"):
+    assert format_of_config({"quant_method": "awq"}) is get_format("awq")
+    assert format_of_config({"quant_method": "exl2"}) is None and format_of_config("junk") is None
+    with pytest.raises(UnsupportedError, match="format 'exl2' is not one of cpu_int4, gptq, awq, gguf"):
         get_format("exl2")
 
 

@@ -187,3 +187,44 @@ def test_an_interrupted_gptq_run_resumes_to_the_same_file(source, tmp_path, monk
     resumed = quantize(source, tmp_path / "m.gguf", *gptq, "--resume")
     assert resumed.read_bytes() == whole.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "whole.gguf"]
+
+
+@pytest.fixture(scope="module")
+def wide_source(smollm2_bf16, tmp_path_factory):
+    """A tiny Llama whose hidden size (256) is one Q4_K super-block and whose MLP width (288) is not."""
+    folder = save_tiny_llama(tmp_path_factory.mktemp("gguf-k") / "bf16", vocab_size=49152, hidden_size=256,
+                             intermediate_size=288, num_hidden_layers=1, shard=None)
+    return with_tokenizer(folder, smollm2_bf16)
+
+
+@pytest.mark.parametrize("method", ["minmax", "weighted", "gptq"])
+def test_q4_k_holds_every_row_of_whole_super_blocks_and_q4_1_the_rest(wide_source, tmp_path, method):
+    result = run("quantize", "--model", wide_source, "--out", tmp_path / "k.gguf", "--format", "gguf",
+                 "--gguf-type", "q4_k", "--method", method, "--nsamples", "2", "--seqlen", "64", "--no-progress")
+    assert result.exit_code == 0, result.output
+    types = tensor_types(tmp_path / "k.gguf")
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "Q4_K"
+    assert types["blk.0.ffn_down.weight"] == "Q4_1"
+    assert gguf.GGUFReader(tmp_path / "k.gguf").fields["general.file_type"].contents() == \
+        gguf.LlamaFileType.MOSTLY_Q4_K_S
+    assert "not a multiple of Q4_K's 256-weight super-blocks: Q4_1" in result.stderr
+    assert_verify_passes(tmp_path / "k.gguf", wide_source)
+
+
+def test_q4_k_is_an_asymmetric_grid(wide_source, tmp_path):
+    result = run("quantize", "--model", wide_source, "--out", tmp_path / "k.gguf", "--format", "gguf",
+                 "--gguf-type", "q4_k", "--sym")
+    assert result.exit_code != 0 and "--gguf-type q4_k is an asymmetric grid; drop --sym" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not built here: "
+                    "bash scripts/setup_gguf.sh --build")
+def test_llama_cpp_runs_a_q4_k_file(wide_source, tmp_path):
+    out = quantize(wide_source, tmp_path / "k.gguf", "--gguf-type", "q4_k", "--method", "weighted",
+                   "--nsamples", "2", "--seqlen", "64")
+    done = subprocess.run([LLAMA_COMPLETION, "-m", str(out), "-p", "The capital of France is", "-n", "8",
+                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")

@@ -55,3 +55,44 @@ def test_a_grid_the_block_type_cannot_hold_is_refused():
         B.encode(quantize_groupwise(weights(4, 2, 0, -18), 32, symmetric=True), B.Q4_0)  # bf16 scales below fp16
     with pytest.raises(ValueError, match="groups of 32"):
         B.encode(quantize_groupwise(w, 64, symmetric=True, storage=B.Q4_0_STORAGE), B.Q4_0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 6), supers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       scale_exp=st.integers(-14, 4), weighted=st.booleans())
+def test_q4_k_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, supers, seed, scale_exp, weighted):
+    w = weights(rows, 8 * supers, seed, scale_exp)
+    column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
+    gq = quantize_groupwise(w, 32, storage=B.Q4_K_STORAGE, column_weights=column_weights)
+    data = B.encode(gq, B.Q4_K)
+    assert data.shape == (rows, supers * 144)
+    theirs = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q4_K)
+    decoded = B.decode(data, B.Q4_K)
+    assert np.array_equal(theirs, decoded.values().numpy())
+    assert torch.equal(decoded.codes, gq.codes)
+    torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
+
+
+def test_gptq_on_q4_k_storage_fixes_super_block_grids_that_encode_in_any_column_order():
+    from quantizer.methods.gptq import gptq_quantize
+
+    gen = torch.Generator().manual_seed(3)
+    w, x = weights(8, 16, 3, -4), torch.randn(256, 512, generator=gen)
+    for act_order in (True, False):
+        gq, _ = gptq_quantize(w, x.T @ x / 256, 32, act_order=act_order, storage=B.Q4_K_STORAGE)
+        assert torch.equal(B.decode(B.encode(gq, B.Q4_K), B.Q4_K).codes, gq.codes)
+
+
+def test_a_row_that_super_blocks_do_not_fill_is_rounded_as_q4_1():
+    w = weights(5, 3, 4, 0)
+    a, b = (quantize_groupwise(w, 32, storage=s) for s in (B.Q4_K_STORAGE, B.Q4_1_STORAGE))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+    assert B.block_type(4, False, 96, kquants=True) is B.Q4_1 and B.block_type(4, False, 256, kquants=True) is B.Q4_K
+
+
+def test_q4_k_refuses_grids_it_cannot_hold():
+    w = weights(2, 8, 5, 0)
+    with pytest.raises(ValueError, match="6-bit multiples"):
+        B.encode(quantize_groupwise(w, 32, storage=B.Q4_1_STORAGE), B.Q4_K)
+    with pytest.raises(ValueError, match="whole 256-weight super-blocks"):
+        B.encode(quantize_groupwise(weights(2, 3, 5, 0), 32, storage=B.Q4_K_STORAGE), B.Q4_K)

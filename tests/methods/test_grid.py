@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.methods.grid import BF16, INTEGER_ZERO, ErrorStats, Storage, quantize_groupwise, round_to_grid
+from quantizer.methods.error_stats import ErrorStats
+from quantizer.methods.grid import BF16, INTEGER_ZERO, MID, Storage, quantize_groupwise, round_to_grid
 
 SIGNED = Storage(torch.float16, "integer", signed_scale=True)
 
@@ -165,3 +166,33 @@ def test_8_bit_channels_round_to_nearest_on_a_covering_grid():
     assert q.codes.dtype == torch.int8 and q.scale.shape == (32, 1)
     assert ((q.dequantize() - w).abs() <= s / 2 + 1e-6 * w.abs() + 1e-9).all()
     assert (w.abs().amax(1, keepdim=True) <= 127 * s * (1 + 2**-7)).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-12, 3), positive=st.booleans())
+def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_point_at_most_0(seed, scale_exp, positive):
+    from quantizer.methods.superblock import superblock_grids
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(3, 256, generator=gen) * 2.0**scale_exp
+    w = w.abs() if positive else w
+    storage = Storage(torch.float16, "min", superblock=8)
+    free = quantize_groupwise(w, 32, storage=Storage(torch.float32))
+    plain = superblock_grids(free.scale, free.zero, 8)
+    scale, zero = superblock_grids(free.scale, free.zero, 8, w.reshape(3, 8, 32))
+    for block in torch.cat([scale, MID * scale - zero, plain[0], MID * plain[0] - plain[1]]).reshape(-1, 8):
+        assert bool((block >= 0).all())
+        units = [(block.max() / top).to(torch.float16).to(torch.float64) for top in range(63, 0, -1)]
+        assert block.max() == 0 or any(bool((block / u == (block / u).round()).all()) and (block / u).max() <= 63
+                                       for u in units if u > 0)
+    got = quantize_groupwise(w, 32, storage=storage)
+    assert torch.equal(got.scale, scale) and torch.equal(got.zero, zero)
+    rel = (got.dequantize() - w).pow(2).sum() / w.pow(2).sum()
+    assert rel < 0.02
+    g = w.reshape(3, 8, 32)
+    from quantizer.methods.codes import group_sq_error
+
+    def error(s, z):
+        return group_sq_error(g, round_to_grid(g, s, z), s, z)
+
+    assert bool((error(scale, zero) <= error(*plain)).all())  # the level search keeps the plain rounding's pair

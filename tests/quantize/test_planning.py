@@ -151,3 +151,16 @@ def test_an_override_that_names_no_module_is_an_error_with_the_nearest_names(tin
         plan_quantization(tiny_model, QuantizeOptions(overrides=(Override.parse("down_prj=8"),)))
     plan = plan_quantization(tiny_model, QuantizeOptions(overrides=(Override.parse("mlp.down_proj=8"),)))
     assert plan.scheme_of("model.layers.0.mlp.down_proj").bits == 8
+
+
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "awq"])
+def test_an_export_with_one_group_size_refuses_a_per_module_fallback(tmp_path, checkpoint_format):
+    model = save_tiny_llama(tmp_path / "m", hidden_size=96, intermediate_size=256)  # 96: groups of 32 only
+    with pytest.raises(InputError, match=r"holds one group size for the whole model, but .*\(K=96\) would be group "
+                                         r"32, not 64; use --group-size 32"):
+        plan_quantization(model, QuantizeOptions(group_size=64, checkpoint_format=checkpoint_format, symmetric=None))
+    with pytest.raises(InputError, match="would be group 32, not 128"):
+        plan_quantization(model, QuantizeOptions(group_size=128, checkpoint_format=checkpoint_format,
+                                                 overrides=(Override("down_proj", 4, 32),)))
+    plan = plan_quantization(model, QuantizeOptions(checkpoint_format=checkpoint_format))
+    assert plan.qconfig.group_size == 32 and not plan.fallbacks

@@ -3,6 +3,7 @@
     Q4_0  18 bytes: fp16 d, 16 bytes of nibbles      w = (q - 8) * d           (symmetric)
     Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes         w = q * d + m             (asymmetric)
     Q8_0  34 bytes: fp16 d, 32 int8 codes            w = q * d
+    Q4_K  super-blocks of 256 weights (see kquants.py)
 
 A block's nibble byte j holds element j in its low half and element j + 16 in its high half.
 int4q's grid for Q4_1 is ``(q - 8) * d + zero`` with ``zero = m + 8 * d`` (``Storage`` "min").
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...methods.grid import MID, ChannelQuantized, GroupQuantized, Storage
+from .kquants import decode_q4_k, encode_q4_k
 
 BLOCK = 32
 
@@ -24,26 +26,36 @@ class BlockType:
     name: str  # GGML's name: ggml_type and the gguf package's GGMLQuantizationType member
     bits: int  # the module precision it stores
     symmetric: bool | None  # the 4-bit grid it holds (None: 8-bit)
-    nbytes: int  # bytes per block of 32 weights
+    nbytes: int  # bytes per block of ``weights`` weights
+    weights: int = BLOCK
 
     def row_bytes(self, k: int) -> int:
-        return k // BLOCK * self.nbytes
+        return k // self.weights * self.nbytes
+
+    def holds(self, k: int) -> bool:
+        """Whether a row of k weights is whole blocks of this type."""
+        return k % self.weights == 0
 
 
 Q4_0 = BlockType("Q4_0", 4, True, 18)
 Q4_1 = BlockType("Q4_1", 4, False, 20)
 Q8_0 = BlockType("Q8_0", 8, None, 34)
-TYPES = {t.name: t for t in (Q4_0, Q4_1, Q8_0)}
+Q4_K = BlockType("Q4_K", 4, False, 144, 256)
+TYPES = {t.name: t for t in (Q4_0, Q4_1, Q8_0, Q4_K)}
 
 Q4_0_STORAGE = Storage(torch.float16, "integer", BLOCK, signed_scale=True)  # as llama.cpp rounds Q4_0
 Q4_1_STORAGE = Storage(torch.float16, "min", BLOCK)
+Q4_K_STORAGE = Storage(torch.float16, "min", BLOCK, superblock=Q4_K.weights // BLOCK)  # Q4_1 where K does not fit
 
 
-def block_type(bits: int, symmetric: bool) -> BlockType:
-    """The block type of a module with this scheme."""
+def block_type(bits: int, symmetric: bool, k: int, kquants: bool = False) -> BlockType:
+    """The block type of a module with this scheme and input dim k; with ``kquants`` an asymmetric
+    4-bit one is Q4_K where its rows are whole super-blocks (else Q4_1, as Q4_K_STORAGE rounds it)."""
     if bits == 8:
         return Q8_0
-    return Q4_0 if symmetric else Q4_1
+    if symmetric:
+        return Q4_0
+    return Q4_K if kquants and Q4_K.holds(k) else Q4_1
 
 
 def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
@@ -87,13 +99,16 @@ def encode_q8(cq: ChannelQuantized) -> torch.Tensor:
 
 def encode(quantized: GroupQuantized | ChannelQuantized, kind: BlockType) -> torch.Tensor:
     """One module's blocks, row by row: uint8 [N, kind.row_bytes(K)]."""
+    if kind is Q4_K:
+        return encode_q4_k(quantized)
     return encode_q8(quantized) if kind.bits == 8 else encode_q4(quantized, kind)
 
 
 @dataclass(frozen=True)
 class DecodedBlocks:
     """The stored fields of a block tensor: codes [N, K] (0..15 for 4-bit, -127..127 for Q8_0),
-    d [N, K / 32] and, for Q4_1, m [N, K / 32], all as stored (fp32 holding fp16 values)."""
+    d [N, K / 32] and, for Q4_1 and Q4_K, m [N, K / 32] (w = q * d + m), all fp32 as GGML
+    computes them (Q4_K's per group: d * sc and -dmin * m)."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -121,6 +136,8 @@ def decode(data: torch.Tensor, kind: BlockType) -> DecodedBlocks:
     def fp16(offset: int) -> torch.Tensor:
         return blocks[..., offset:offset + 2].contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
 
+    if kind is Q4_K:
+        return DecodedBlocks(*decode_q4_k(data))
     if kind.bits == 8:
         return DecodedBlocks(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1), fp16(0))
     qs = blocks[..., kind.nbytes - 16:]

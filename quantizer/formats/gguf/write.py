@@ -6,7 +6,6 @@ from pathlib import Path
 
 from ...io.checkpoint import CheckpointReader, read_config
 from .assemble import INT4Q_CONFIG_KEY, QuantizedWeight, write_gguf
-from .blocks import block_type
 from .converter import load
 from .staging import FORMAT, file_type
 
@@ -22,8 +21,8 @@ def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeig
         if scheme.kept:
             continue
         name = f"{module}.{FORMAT.marker}"
-        weights[f"{module}.weight"] = QuantizedWeight(tuple(plan.reader.infos[source].shape),
-                                                      block_type(scheme.bits, scheme.symmetric),
+        shape = tuple(plan.reader.infos[source].shape)
+        weights[f"{module}.weight"] = QuantizedWeight(shape, plan.format.block_type(scheme, shape[1]),
                                                       lambda name=name: blocks.get(name))
     return weights
 

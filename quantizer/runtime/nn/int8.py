@@ -16,6 +16,25 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ChannelQuantized(codes, scale.unsqueeze(1)).dequantize(torch.bfloat16)
 
 
+def _int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, threshold: int,
+                 prefill_dequant: bool) -> torch.Tensor:
+    if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
+        return F.linear(x, _dequantize(codes, scale))
+    return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
+
+
+@torch.library.custom_op("int4q::int8_linear", mutates_args=())
+def int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, threshold: int,
+                   prefill_dequant: bool) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] bf16. Opaque to torch.compile, so the row-count branch is no guard."""
+    return _int8_matmul(x, codes, scale, threshold, prefill_dequant)
+
+
+@int8_linear_op.register_fake
+def _(x, codes, scale, threshold, prefill_dequant):
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
 class Int8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W = codes * scale. Buffers: ``codes`` int8 [N, K], ``scale`` bf16 [N]."""
 
@@ -36,10 +55,8 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if takes_prefill_path(x2.shape[0], self.threshold, self.prefill_dequant):
-            out = F.linear(x2, self.dequantized_weight())
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scale)
+        args = (x2, self.codes, self.scale, self.threshold, self.prefill_dequant)
+        out = int8_linear_op(*args) if torch.compiler.is_compiling() else _int8_matmul(*args)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)

