@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from ..methods.grid import ChannelQuantized, GroupQuantized, Storage
     from ..spec.scheme import ModuleScheme
 
-MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "awq": "awq", "gguf": "gguf"}  # --format name -> module in this package
+# --format name -> module in this package
+MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "awq": "awq", "gguf": "gguf"}
 NAMES = tuple(MODULES)
 RUNTIME_FORMAT = "cpu_int4"  # the one int4q's runtime runs, verify checks and the card shows how to run
 

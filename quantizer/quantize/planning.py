@@ -193,8 +193,9 @@ def _check_one_group(schemes: dict[str, ModuleScheme], group: int, k_dims: dict[
     four = [k_dims[m] for m, s in schemes.items() if s.bits == 4]
     sizes = [g for g in fmt.group_sizes if all(k % g == 0 for k in four)]
     fix = f"use --group-size {sizes[-1]}" if sizes else "no group size divides every module's input dim"
-    raise InputError(f"the {fmt.title} export holds one group size for the whole model, but {odd[0]} (K={k_dims[odd[0]]}) "
-                     f"would be group {schemes[odd[0]].group_size}, not {group}; {fix}")
+    first = odd[0]
+    raise InputError(f"the {fmt.title} export holds one group size for the whole model, but {first} "
+                     f"(K={k_dims[first]}) would be group {schemes[first].group_size}, not {group}; {fix}")
 
 
 def _grouped_notes(notes: dict[str, str]) -> list[str]:
