@@ -120,7 +120,7 @@ class _TableMethod(_Int4qMethod):
                 delattr(layer, name)
             if hasattr(embed_tokens, name):
                 setattr(layer, name, getattr(embed_tokens, name))
-        layer.int4q_tied_to = embed_tokens
+        object.__setattr__(layer, "int4q_tied_to", embed_tokens)  # a reference, not a second submodule
         embed_tokens.int4q_has_tied_head = True
         return layer
 

@@ -26,16 +26,6 @@ pytestmark = [
 sys.path.insert(0, str(WORKER.parent))
 
 
-def vllm_tokens(folder: Path, prompts: list[list[int]], tmp_path: Path) -> list[list[int]]:
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    done = subprocess.run([VLLM_PYTHON, WORKER, folder, prompts_file, str(TOKENS)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=1200)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert done.returncode == 0 and line, done.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])["tokens"]
-
-
 @pytest.fixture(scope="module")
 def prompts(smollm2_bf16):
     from transformers import AutoTokenizer
@@ -47,13 +37,17 @@ def prompts(smollm2_bf16):
 @pytest.mark.parametrize("options, kind", [(("--group-size", "64"), "cpu_int4"),
                                            (("--format", "awq", "--group-size", "64"), "awq")])
 def test_vllm_generates_what_int4q_computes(smollm2_bf16, prompts, tmp_path, options, kind):
-    from vllm_check import exact_dequantized, greedy
+    from vllm_check import exact_dequantized, greedy, run_vllm
 
     out = tmp_path / "q"
     result = CliRunner().invoke(main, ["quantize", "--model", str(smollm2_bf16), "--out", str(out), "--no-progress",
                                        *options])
     assert result.exit_code == 0, result.output
-    got = vllm_tokens(out, prompts, tmp_path)
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    run = run_vllm(Path(VLLM_PYTHON), out, prompts_file, TOKENS)
+    assert "tokens" in run, run
+    got = run["tokens"]
     with torch.inference_mode():
         want = greedy(exact_dequantized(out, kind, smollm2_bf16), prompts, TOKENS)
     same = sum(a == b for a, b in zip(got, want))

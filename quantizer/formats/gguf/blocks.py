@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...methods.grid import MID, ChannelQuantized, GroupQuantized, Storage
-from .kquants import decode_q4_k, encode_q4_k
+from .kquants import decode_q4_k, encode_q4_k, fp16_bytes
 
 BLOCK = 32
 
@@ -58,11 +58,6 @@ def block_type(bits: int, symmetric: bool, k: int, kquants: bool = False) -> Blo
     return Q4_K if kquants and Q4_K.holds(k) else Q4_1
 
 
-def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
-    """[..., B] fp32 holding fp16 values -> [..., B, 2] uint8, little-endian."""
-    return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
-
-
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[..., B, 32] codes 0..15 -> [..., B, 16] bytes."""
     c = codes.to(torch.uint8)
@@ -79,11 +74,11 @@ def encode_q4(gq: GroupQuantized, kind: BlockType) -> torch.Tensor:
     if not torch.equal(scale.to(torch.float16).to(torch.float32), scale):
         raise ValueError("the scales are not fp16 values; quantize on a GGUF storage")
     codes = gq.codes.reshape(n, k // BLOCK, BLOCK)
-    parts = [_fp16_bytes(scale)]
+    parts = [fp16_bytes(scale.unsqueeze(-1))]
     if kind.symmetric and bool((zero != 0).any()):
         raise ValueError(f"{kind.name} holds symmetric grids (zero 0) only")
     if not kind.symmetric:
-        parts.append(_fp16_bytes(zero - MID * scale))
+        parts.append(fp16_bytes((zero - MID * scale).unsqueeze(-1)))
     parts.append(_nibbles(codes))
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
@@ -94,7 +89,7 @@ def encode_q8(cq: ChannelQuantized) -> torch.Tensor:
     if cq.scale.shape[1] != k // BLOCK or cq.scale.dtype != torch.float16:
         raise ValueError(f"Q8_0 needs one fp16 scale per {BLOCK} columns")
     codes = cq.codes.reshape(n, k // BLOCK, BLOCK).contiguous().view(torch.uint8)
-    return torch.cat([_fp16_bytes(cq.scale.to(torch.float32)), codes], dim=-1).reshape(n, -1)
+    return torch.cat([fp16_bytes(cq.scale.unsqueeze(-1)), codes], dim=-1).reshape(n, -1)
 
 
 def encode(quantized: GroupQuantized | ChannelQuantized, kind: BlockType) -> torch.Tensor:

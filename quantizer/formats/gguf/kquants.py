@@ -41,8 +41,9 @@ def _units(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).to(torch.uint8)
 
 
-def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape[:-1], 2)
+def fp16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[..., B] fp32 or fp64 holding fp16 values -> [..., B * 2] uint8, little-endian."""
+    return values.to(torch.float16).contiguous().view(torch.uint8)
 
 
 def encode_q4_k(gq: GroupQuantized) -> torch.Tensor:
@@ -61,7 +62,7 @@ def encode_q4_k(gq: GroupQuantized) -> torch.Tensor:
                         (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)], dim=-1)
     c = gq.codes.to(torch.uint8).reshape(n, k // SUPER, GROUPS // 2, 2, 32)
     nibbles = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(n, k // SUPER, 128)
-    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), levels, nibbles], dim=-1).reshape(n, -1)
+    return torch.cat([fp16_bytes(d), fp16_bytes(dmin), levels, nibbles], dim=-1).reshape(n, -1)
 
 
 def decode_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
