@@ -76,6 +76,18 @@ def save_byte_tokenizer(path: Path):
     return fast
 
 
+def save_tiny_gpt2(path: Path, tokenizer: bool = True, **overrides) -> Path:
+    """A random GPT-2 (transformers' Conv1D projections) in bf16, with the byte tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=512, n_embd=128, n_layer=2, n_head=2, n_positions=256, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(GPT2Config(**{**sizes, **overrides})).to(torch.bfloat16).save_pretrained(path)
+    if tokenizer:
+        save_byte_tokenizer(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def byte_tokenizer(tmp_path_factory):
     return save_byte_tokenizer(tmp_path_factory.mktemp("tok"))

@@ -8,6 +8,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..io.structure import linear_dims
+
 
 class Accumulator(Protocol):
     def add(self, x: torch.Tensor) -> None:
@@ -120,7 +122,7 @@ def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, metho
     """``method``'s statistic of the step's shared input over every window (``hidden`` on the
     CPU, the layer on ``device``)."""
     first = layer.get_submodule(step[0])
-    acc = method.accumulator(first.in_features, device)
+    acc = method.accumulator(linear_dims(first)[1], device)
     feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0])
     return acc
 

@@ -115,9 +115,9 @@ def main(verbose: bool) -> None:
 def _register() -> None:
     from .publish import push, verify
     from .quantize import bundled_model, quantize
-    from .runtime import bench, generate
+    from .runtime import bench, compile_step, generate
 
-    for command in (quantize, bundled_model, generate, bench, verify, push):
+    for command in (quantize, bundled_model, generate, bench, compile_step, verify, push):
         main.add_command(command)
 
 

@@ -16,7 +16,8 @@ import click
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads (default: torch's choice).")
 @click.option("--compile/--no-compile", default=True, show_default=True,
-              help="Compile the decode step (cached on disk after the first run).")
+              help="Use the compiled decode step (made once per model and machine, in the background; "
+                   "decoding starts eagerly meanwhile).")
 @click.option("--stats", is_flag=True, help="Print load time, time to first token and decode speed to stderr.")
 def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
     """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
@@ -31,7 +32,8 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
     model = load_model(model_dir, threads=threads)
     loaded = time.perf_counter()
     counts = GenerationStats()
-    for piece in generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts):
+    for piece in generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts,
+                               source=model_dir):
         click.echo(piece, nl=False)
     click.echo()
     sys.stdout.flush()
@@ -40,6 +42,20 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
         rate = steps / (counts.last_token_at - counts.first_token_at) if steps else float("nan")
         click.echo(f"int4q: load {loaded - started:.2f} s, time to first token {counts.first_token_at - started:.2f} s "
                    f"({counts.prompt_tokens} prompt tokens), then {steps} tokens at {rate:.1f} tok/s", err=True)
+
+
+@click.command("compile")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--threads", type=click.IntRange(1, 1024),
+              help="The thread count generate and bench will run at (default: torch's choice).")
+def compile_step(model_dir, threads):
+    """Compile and save a checkpoint's decode step now, so the first generate runs at full speed."""
+    import torch
+
+    from ..runtime.decode.background import compile_and_save
+
+    artifact, outcome = compile_and_save(model_dir, threads or torch.get_num_threads())
+    click.echo(f"decode step {outcome}: {artifact}")
 
 
 @click.command()

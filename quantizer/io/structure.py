@@ -16,12 +16,37 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelStructure:
-    """Module names (no ``.weight`` suffix) of a causal LM's linears, embedding and head."""
+    """Module names (no ``.weight`` suffix) of a causal LM's linears, embedding and head.
+
+    ``transposed``: the linears whose checkpoint weight is [in, out] (transformers' ``Conv1D``);
+    int4q quantizes their transpose, so every quantized weight is [out, in]. ``left_out``: per
+    module type whose matrices int4q does not quantize, (type, its first module, module count,
+    parameters), and
+    ``params`` the model's parameter count (a tied table once)."""
 
     linears: tuple[str, ...]
     embedding: str | None
     head: str | None
     tied: bool
+    transposed: frozenset[str] = frozenset()
+    left_out: tuple[tuple[str, str, int, int], ...] = ()
+    params: int = 0
+
+    def linear_shape(self, module: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The [out, in] shape of ``module``'s weight, given its checkpoint shape."""
+        return tuple(reversed(shape)) if module in self.transposed else tuple(shape)
+
+    def as_linear(self, module: str, weight: torch.Tensor) -> torch.Tensor:
+        """``module``'s checkpoint weight as the [out, in] weight int4q quantizes."""
+        return weight.t().contiguous() if module in self.transposed else weight
+
+    def left_out_note(self) -> str | None:
+        """One line naming the module types left in bf16 and their share of the parameters."""
+        if not self.left_out or not self.params:
+            return None
+        parts = [f"{kind} ({first}{f' and {count - 1} more' if count > 1 else ''}: "
+                 f"{100 * n / self.params:.1f}% of the parameters)" for kind, first, count, n in self.left_out]
+        return "kept in bf16, no int4q quantizer for their type: " + ", ".join(parts)
 
     @property
     def decoder_linears(self) -> tuple[str, ...]:
@@ -118,17 +143,53 @@ def tie_word_embeddings(config_dict: dict) -> bool:
     return bool(config_dict.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
 
+def is_transposed_linear(module: torch.nn.Module) -> bool:
+    """True for transformers' ``Conv1D``: a linear whose weight is stored [in, out]."""
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module) is Conv1D
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """True for a module int4q quantizes as a linear: ``nn.Linear`` or transformers' ``Conv1D``."""
+    return type(module) is torch.nn.Linear or is_transposed_linear(module)
+
+
+def linear_dims(module: torch.nn.Module) -> tuple[int, int]:
+    """(out, in) of a module for which :func:`is_linear` holds."""
+    out, inp = module.weight.shape
+    return (inp, out) if is_transposed_linear(module) else (out, inp)
+
+
 def inspect_structure(config_dict: dict) -> ModelStructure:
     model = build_empty_model(config_dict)
     names = {id(m): n for n, m in model.named_modules()}
-    linears = tuple(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+    linears = tuple(n for n, m in model.named_modules() if is_linear(m))
+    transposed = frozenset(n for n, m in model.named_modules() if is_transposed_linear(m))
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     emb_name = names.get(id(emb)) if emb is not None else None
     head_name = names.get(id(head)) if head is not None else None
     if head is not None and type(head) is not torch.nn.Linear:
         head_name = None
-    return ModelStructure(linears, emb_name, head_name, tie_word_embeddings(config_dict))
+    covered = {id(m) for m in (emb, head) if m is not None} | {id(model.get_submodule(n)) for n in linears}
+    params = sum(p.numel() for p in model.parameters())
+    return ModelStructure(linears, emb_name, head_name, tie_word_embeddings(config_dict), transposed,
+                          _left_out(model, covered), params)
+
+
+def _left_out(model: torch.nn.Module, covered: set[int]) -> tuple[tuple[str, str, int, int], ...]:
+    """(type, first module, modules, parameters) per module type holding a matrix that no
+    quantizable module holds, the largest share first."""
+    counts: dict[str, list] = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if id(module) in covered or not any(p.dim() >= 2 for p in own):
+            continue
+        entry = counts.setdefault(type(module).__name__, [name, 0, 0])
+        entry[1] += 1
+        entry[2] += sum(p.numel() for p in own)
+    return tuple((kind, *entry) for kind, entry in sorted(counts.items(), key=lambda kv: -kv[1][2]))
 
 
 def architecture_mismatches(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],

@@ -197,18 +197,19 @@ def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor
         if ranks.distributed:
             acc.merge(ranks.sum_)
         linears = [layer.get_submodule(name) for name in step]
-        owners = ranks.owner_of([linear.weight.numel() for linear in linears])
-        mine = {name: _solve(plan, method, f"{prefix}.{name}", linear.weight, acc,
-                             plan.scheme_of(f"{prefix}.{name}"))
-                for name, linear, owner in zip(step, linears, owners) if owner == ranks.rank}
+        weights = [plan.linear_weight(f"{prefix}.{name}", linear.weight) for name, linear in zip(step, linears)]
+        owners = ranks.owner_of([w.numel() for w in weights])
+        mine = {name: _solve(plan, method, f"{prefix}.{name}", w, acc, plan.scheme_of(f"{prefix}.{name}"))
+                for name, w, owner in zip(step, weights, owners) if owner == ranks.rank}
         del acc
-        for name, linear, owner in zip(step, linears, owners):
+        for name, linear, w, owner in zip(step, linears, weights, owners):
+            module = f"{prefix}.{name}"
             q, stats = mine.get(name, (None, None))
             q = ranks.broadcast_dataclass(q, owner)
             stats = ranks.broadcast_object(stats, owner)
             if ranks.is_main:
-                out_tensors.update(_record(plan, f"{prefix}.{name}", linear.weight.shape, q, stats, per_tensor))
-            linear.weight.data = q.dequantize()
+                out_tensors.update(_record(plan, module, w.shape, q, stats, per_tensor))
+            linear.weight.data = plan.linear_weight(module, q.dequantize())  # a transpose is its own inverse
     return out_tensors
 
 
@@ -237,7 +238,8 @@ def _write_output(plan: QuantizationPlan, out_dir: Path, layers_name: str, n_lay
     specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in head_tensors.items()]
     for name in rest:
         info, module = reader.infos[name], name.removesuffix(".weight")
-        specs += (plan.format.tensor_specs(module, info.shape, plan.scheme_of(module)) if module in plan.targets
+        specs += (plan.format.tensor_specs(module, plan.weight_shape(module), plan.scheme_of(module))
+                  if module in plan.targets
                   else [TensorSpec(name, info.dtype, info.shape)])
     writer = ShardWriter(out_dir, specs, plan.options.max_shard_bytes)
     for i in range(n_layers):

@@ -118,8 +118,16 @@ class QuantizationPlan:
             if not modules:
                 specs.append(TensorSpec(info.name, info.dtype, info.shape))
             for module in modules:
-                specs += self.format.tensor_specs(module, info.shape, self.scheme_of(module))
+                specs += self.format.tensor_specs(module, self.weight_shape(module), self.scheme_of(module))
         return specs
+
+    def weight_shape(self, module: str) -> tuple[int, ...]:
+        """The [out, in] shape of the weight ``module`` is quantized from."""
+        return self.structure.linear_shape(module, self.reader.infos[self.targets[module]].shape)
+
+    def linear_weight(self, module: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The source tensor of ``module`` as the [out, in] weight it is quantized from."""
+        return self.structure.as_linear(module, tensor)
 
     def disk_bytes_needed(self, calibration_tokens: int = 0) -> int:
         """Free bytes the run needs: the output's tensors; for a calibrated (GPTQ) run also its
@@ -157,17 +165,21 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
     base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
-    group, schemes, fallbacks = assign_schemes({m: infos[s].shape[1] for m, s in targets.items()}, base_bits,
-                                               options.group_size, options.symmetric, options.overrides,
-                                               options.strict_group_size)
+    shapes = {m: structure.linear_shape(m, infos[s].shape) for m, s in targets.items()}
+    k_dims = {m: shape[1] for m, shape in shapes.items()}
+    group, schemes, fallbacks = assign_schemes(k_dims, base_bits, options.group_size, options.symmetric,
+                                               options.overrides, options.strict_group_size)
     if fmt.one_group_size:
-        _check_one_group(schemes, group, {m: infos[s].shape[1] for m, s in targets.items()}, fmt)
-    format_notes = fmt.fit_schemes(schemes, {m: infos[s].shape[1] for m, s in targets.items()})
+        _check_one_group(schemes, group, k_dims, fmt)
+    format_notes = fmt.fit_schemes(schemes, k_dims)
     fallbacks.update(format_notes)
     notes += _grouped_notes(format_notes)
+    left_out = structure.left_out_note()
+    if left_out:
+        notes.append(left_out)
     _check_schemes(schemes, fmt)
     emb = structure.embedding
-    _check_out_dims({m: s for m, s in targets.items() if schemes[m].bits == 4 and (m != emb or tied_output)}, infos,
+    _check_out_dims({targets[m]: shapes[m][0] for m in targets if schemes[m].bits == 4 and (m != emb or tied_output)},
                     fmt.out_dim_multiple)
     default = ModuleScheme(4, group, options.symmetric)
     qconfig = QuantizationConfig(
@@ -378,8 +390,9 @@ def _check_dtypes_and_shapes(targets: dict[str, str], infos: dict[str, TensorInf
             raise InputError(f"{src} has shape {list(info.shape)}; a linear weight must be 2-D")
 
 
-def _check_out_dims(targets: dict[str, str], infos: dict[str, TensorInfo], multiple: int) -> None:
-    bad = {src: infos[src].shape[0] for src in targets.values() if infos[src].shape[0] % multiple}
+def _check_out_dims(out_dims: dict[str, int], multiple: int) -> None:
+    """InputError naming the source tensors whose output dim (tensor -> N) is not a multiple of ``multiple``."""
+    bad = {m: n for m, n in out_dims.items() if n % multiple}
     if bad:
         listed = ", ".join(f"{n} (N={v})" for n, v in sorted(bad.items())[:5])
         raise InputError(

@@ -31,7 +31,9 @@ def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor)
 
 
 def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
-    """One module by round-to-nearest: its checkpoint tensors in the plan's format and its report entry."""
+    """One module by round-to-nearest from its source tensor: its checkpoint tensors in the plan's
+    format and its report entry."""
+    weight = plan.linear_weight(module, weight)
     refuse_non_finite(plan, module, weight)
     method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search), plan.storage)
     q, stats = method.quantize(weight, None, plan.scheme_of(module))

@@ -4,6 +4,7 @@ through the same path, so the two can be compared like against like."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import torch
 
 from ..errors import InputError, UnsupportedError
 from ..formats import cpu_int4, format_of_config
+from ..io.aux_files import allowed_roots, leaves
 from ..io.checkpoint import CheckpointReader, read_config
-from ..io.structure import build_empty_model, check_layer_count, tie_word_embeddings
+from ..io.structure import build_empty_model, check_layer_count, is_linear, linear_dims, tie_word_embeddings
 from ..memory import release_free_memory
 from ..spec.config import QuantizationConfig
 from .nn.fusion import fuse_projections
@@ -55,6 +57,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     reader = CheckpointReader(path)
     check_layer_count(config, len(reader.infos))
     model = build_empty_model(config)
+    _load_generation_config(model, path)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = tie_word_embeddings(config) and head is not None
     quantized_set = install_quantized_modules(model, reader, qc, tied)
@@ -70,6 +73,20 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
         fuse_projections(model)
     release_free_memory()
     return model
+
+
+def _load_generation_config(model: torch.nn.Module, path: Path) -> None:
+    """The folder's generation_config.json (its end-of-sequence ids: Gemma-3 lists two), where it
+    has one inside the folder; unreadable ones are left out with a warning."""
+    from transformers import GenerationConfig
+
+    file = path / "generation_config.json"
+    if not file.is_file() or (file.is_symlink() and leaves(file, allowed_roots(path))):
+        return
+    try:
+        model.generation_config = GenerationConfig.from_dict(json.loads(file.read_text()))
+    except (ValueError, TypeError) as e:
+        log.warning("ignoring %s: %s", file, e)
 
 
 def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, qc: QuantizationConfig | None,
@@ -118,13 +135,14 @@ def _install(model, name: str, module, emb, reader: CheckpointReader, qc: Quanti
         else:
             quantize_embedding_module(emb, *tensors, scheme.group_size, with_kernel_layout=tied)
         return
-    if type(module) is not torch.nn.Linear:
-        raise UnsupportedError(f"{name} is quantized but is a {type(module).__name__}, not a linear or embedding")
+    if module is None or not is_linear(module):
+        kind = type(module).__name__ if module is not None else "no module of the model"
+        raise UnsupportedError(f"{name} is quantized but is {kind}, not a linear or embedding")
     bias = reader.get(f"{name}.bias") if f"{name}.bias" in reader.infos else None
     k = tensors[0].shape[1] * (1 if scheme.bits == 8 else 2)
-    if (module.out_features, module.in_features) != (tensors[0].shape[0], k):
+    if linear_dims(module) != (tensors[0].shape[0], k):
         raise InputError(f"{name}: quantized shape [{tensors[0].shape[0]}, {k}] does not fit "
-                         f"[{module.out_features}, {module.in_features}]")
+                         f"{list(linear_dims(module))} ([out, in])")
     options = _kernel_options(qc, scheme.bits)
     if scheme.bits == 8:
         set_module(model, name, Int8Linear(*tensors, bias=bias, **options))

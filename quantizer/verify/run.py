@@ -31,6 +31,7 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
             round_trip, stats = check_round_trip(info, source)
             checks.append(round_trip)
             _tensor_numbers(stats, report, numbers)
+            _left_out_numbers(source, numbers)
         say("kernel layout ...")
         checks.append(check_kernel_layout(info))
         if source is not None and all(c.ok for c in checks):
@@ -70,6 +71,7 @@ def run_verify_gguf(path: Path, source: Path | None, text: Path | None, ctx: int
     round_trip, stats = gguf_round_trip(reader, expected, qconfig, expected.get("token_embd.weight"))
     checks.append(round_trip)
     _tensor_numbers(stats, report, numbers)
+    _left_out_numbers(source, numbers)
     if all(c.ok for c in checks):
         checks.append(_end_to_end(path, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers,
                                   say, step or (lambda *a: None), lambda: load_dequantized(path)))
@@ -84,6 +86,16 @@ def _tensor_numbers(stats, report: dict, numbers: list[str]) -> None:
         numbers.append(f"SNR over {len(stats)} quantized tensors: min {min(snrs):.2f} dB, "
                        f"mean {sum(snrs) / len(snrs):.2f} dB, max {max(snrs):.2f} dB; "
                        f"max abs error {max(s.max_abs_err for s in stats):.4g}")
+
+
+def _left_out_numbers(source: Path, numbers: list[str]) -> None:
+    """The line naming the module types int4q left in bf16, where the source has any."""
+    from ..io.checkpoint import read_config
+    from ..io.structure import inspect_structure
+
+    note = inspect_structure(read_config(source)).left_out_note()
+    if note:
+        numbers.append(note)
 
 
 def _finish(report: dict, checks: list[CheckResult], numbers: list[str]) -> dict:

@@ -86,7 +86,8 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
     shapes = {n: i.shape for n, i in reader.infos.items() if n.rpartition(".")[0] not in set(info.quantized)}
     for module in info.quantized:
         n, cols = reader.infos[f"{module}{marker}"].shape
-        shapes[f"{module}.weight"] = (n, cols if q.scheme_for(module).bits == 8 else 2 * cols)
+        shapes[f"{module}.weight"] = structure.linear_shape(module, (n, cols if q.scheme_for(module).bits == 8
+                                                                        else 2 * cols))
         if f"{module}.bias" in reader.infos:
             shapes[f"{module}.bias"] = reader.infos[f"{module}.bias"].shape
     for problem in architecture_mismatches(build_empty_model(config), shapes, structure.head if tied else None):

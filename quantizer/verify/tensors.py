@@ -65,7 +65,7 @@ def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult
             result.fail(f"{module}: no {src_name} in the source")
             continue
         read = _read_module(info, module, result)
-        w = source.get(src_name).float()
+        w = structure.as_linear(module, source.get(src_name)).float()
         problem = None if read is None else _non_finite(module, w, read[0])
         if problem:
             result.fail(problem)

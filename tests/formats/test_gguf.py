@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import interrupt_gptq_at_second_layer, save_tiny_llama
+from conftest import interrupt_gptq_at_second_layer, save_tiny_gpt2, save_tiny_llama
 
 from quantizer.cli.main import main
 
@@ -145,6 +145,28 @@ def test_llama_cpp_loads_and_runs_the_file(source, tmp_path):
                           timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+
+
+def test_a_gpt2_files_conv1d_projections_are_int4qs_blocks_and_pass_verify(smollm2_bf16, tmp_path):
+    import json
+
+    folder = save_tiny_gpt2(tmp_path / "gpt2", tokenizer=False, vocab_size=49152, n_embd=64, n_positions=1024)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_ctx": 1024}))  # as GPT-2's own config has it
+    out = quantize(with_tokenizer(folder, smollm2_bf16), tmp_path / "m.gguf", "--method", "weighted",
+                   "--nsamples", "2", "--seqlen", "64")
+    types = tensor_types(out)
+    assert {types[f"blk.{i}.{t}.weight"] for i in range(2) for t in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")} \
+        == {"Q4_1"}
+    assert_verify_passes(out, folder)
+
+
+def test_a_config_key_the_converter_needs_is_one_line_before_any_work(smollm2_bf16, tmp_path):
+    folder = with_tokenizer(save_tiny_gpt2(tmp_path / "gpt2", tokenizer=False, vocab_size=49152, n_embd=64),
+                            smollm2_bf16)
+    result = run("quantize", "--model", folder, "--out", tmp_path / "m.gguf", "--format", "gguf", "--no-progress")
+    assert result.exit_code != 0 and "needs 'n_ctx' in" in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
 def test_the_bundled_models_file_has_the_tensors_and_keys_of_convert_hf_to_gguf(smollm2_bf16, tmp_path):

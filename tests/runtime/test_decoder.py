@@ -142,7 +142,7 @@ def test_a_damaged_or_wrong_saved_step_costs_a_compile_never_a_failure(tiny_mode
         return torch.zeros(1, vocab)
 
     fastpath._steps.clear()
-    monkeypatch.setattr(fastpath, "_load_step", lambda path: wrong)
+    monkeypatch.setattr(fastpath, "load_step", lambda path: wrong)
     decoder = fastpath.open_decoder(model, 16)
     assert decoder.compiled is not None and decoder.compiled is not wrong
     ids = torch.tensor([[5, 6]])

@@ -25,11 +25,13 @@ INT4Q_CONFIG_KEY = "int4q.quantization_config"
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A source weight [N, K] stored as blocks: ``load()`` gives uint8 [N, kind.row_bytes(K)]."""
+    """A weight [N, K] stored as blocks: ``load()`` gives uint8 [N, kind.row_bytes(K)]. A
+    ``transposed`` one is [K, N] in the source (transformers' Conv1D)."""
 
     shape: tuple[int, int]
     kind: BlockType
     load: Callable[[], torch.Tensor]
+    transposed: bool = False
 
 
 def element_index(base: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -49,7 +51,10 @@ class RowMap:
             base += w.shape[0] * w.shape[1]
 
     def index(self, name: str) -> torch.Tensor:
-        return element_index(self.bases[name], self.weights[name].shape)
+        """The index tensor in the source's layout of ``name``."""
+        w = self.weights[name]
+        index = element_index(self.bases[name], w.shape)
+        return index.t() if w.transposed else index
 
     def rows(self, out_name: str, mapped: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Runs of output rows as (source name, its row numbers), in output order."""

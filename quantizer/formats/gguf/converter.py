@@ -99,4 +99,9 @@ def preflight(model_dir: Path, config: dict) -> bool:
     except (NotImplementedError, FileNotFoundError, ValueError, KeyError, AssertionError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedError(f"llama.cpp's converter cannot write the tokenizer of {model_dir}: {first}") from None
+    try:
+        model.set_gguf_parameters()
+    except KeyError as e:
+        raise UnsupportedError(f"llama.cpp's converter needs {e} in {model_dir}/config.json for this architecture; "
+                               "add it (the original model's config.json has it)") from None
     return bool(list(model.modify_tensors(torch.zeros(2, 2), "lm_head.weight", None)))

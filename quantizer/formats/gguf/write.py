@@ -16,14 +16,15 @@ def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeig
     """Source tensor name -> int4q's blocks, for every quantized module of ``plan`` (an untied head
     made from a tied table under the head's own name)."""
     weights = {}
-    for module, source in plan.targets.items():
+    for module in plan.targets:
         scheme = plan.scheme_of(module)
         if scheme.kept:
             continue
         name = f"{module}.{FORMAT.marker}"
-        shape = tuple(plan.reader.infos[source].shape)
+        shape = plan.weight_shape(module)
         weights[f"{module}.weight"] = QuantizedWeight(shape, plan.format.block_type(scheme, shape[1]),
-                                                      lambda name=name: blocks.get(name))
+                                                      lambda name=name: blocks.get(name),
+                                                      module in plan.structure.transposed)
     return weights
 
 

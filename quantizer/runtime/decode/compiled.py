@@ -98,38 +98,69 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True) -> FastDecoder | None:
+def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
+                 source: Path | None = None) -> FastDecoder | None:
     """A ready FastDecoder for sequences of up to ``max_len`` tokens, or None (with one warning)
-    when ``model`` must use transformers' generate. With ``compile`` the step is compiled now."""
+    when ``model`` must use transformers' generate. With ``compile``, the compiled step: with the
+    checkpoint folder ``source``, taken between tokens once read or compiled in the background
+    (see :mod:`.background`), so decoding starts at once; without, read or compiled now."""
     reason = unsupported_reason(model, max_len)
     if reason:
         _warn_once(f"decoding through transformers' generate (slower): {reason}")
         return None
     decoder = FastDecoder(model, max(max_len, MIN_CACHE))
-    if compile:
-        try:
-            artifact = artifact_path(model)
-        except UntrustedCache as e:
-            _warn_once(f"{e}; compiling the decode step without loading or saving it there")
-            artifact = None
-        _compile(decoder, artifact)
+    if not compile:
+        return decoder
+    try:
+        artifact = artifact_path(model)
+    except UntrustedCache as e:
+        _warn_once(f"{e}; compiling the decode step without loading or saving it there")
+        artifact = None
+    if source is None or artifact is None or artifact in _steps:
+        compile_step(decoder, artifact)
+    else:
+        _step_in_background(decoder, artifact, source)
     return decoder
 
 
-@torch.inference_mode()
-def _compile(decoder: FastDecoder, artifact: Path | None) -> None:
-    """Give the decoder its compiled single-token step: the saved one when it is the file int4q
-    saved and it matches eager, else a fresh one (then saved, with its sha256); eager decoding
-    after one warning when neither works. ``artifact`` None: no cache to use."""
+def _step_in_background(decoder: FastDecoder, artifact: Path, source: Path) -> None:
+    from .background import PendingStep, expected_compile_seconds, saved_step_ready, start_worker
+
+    _use_direct_kernels(decoder)
+    worker = None
+    if not saved_step_ready(artifact):
+        worker = start_worker(source, artifact)
+        if worker is None:
+            compile_step(decoder, artifact)
+            return
+        _warn_once(f"decoding eagerly while the decode step compiles in the background (about "
+                   f"{expected_compile_seconds(len(decoder.layers)):.0f} s, once for this model and machine; "
+                   "`int4q compile` does it ahead); this run switches to it when it is ready")
+    decoder.pending = PendingStep(decoder.model, artifact, source, worker)
+
+
+def _use_direct_kernels(decoder: FastDecoder) -> None:
     for module in (*decoder.layers.modules(), decoder.head):
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
+
+
+@torch.inference_mode()
+def compile_step(decoder: FastDecoder, artifact: Path | None) -> None:
+    """Give the decoder its compiled single-token step: the saved one when it is the file int4q
+    saved and it matches eager, else a fresh one (then saved, with its sha256); eager decoding
+    after one warning when neither works. ``artifact`` None: no cache to use."""
+    _use_direct_kernels(decoder)
     if artifact in _steps:  # checked when this process loaded or compiled it
         decoder.compiled = _steps[artifact]
         return
-    with _inductor_cache() if artifact else contextlib.nullcontext():
+    with inductor_cache() if artifact else contextlib.nullcontext():
         if artifact and _load_saved(decoder, artifact):
             return
+        from .background import expected_compile_seconds
+
+        log.warning("compiling the decode step for this model and machine (about %.0f s, once)",
+                    expected_compile_seconds(len(decoder.layers)))
         try:
             decoder.compiled = _aot_compile(decoder)
             _check_against_eager(decoder)
@@ -143,6 +174,20 @@ def _compile(decoder: FastDecoder, artifact: Path | None) -> None:
             _save_step(decoder.compiled, artifact)
 
 
+def adopt_step(model: torch.nn.Module, step, artifact: Path) -> bool:
+    """Whether a step read from ``artifact`` matches eager (checked on a decoder of its own, so a
+    running one keeps its cache); then this process's other decoders get it too."""
+    probe = FastDecoder(model, MIN_CACHE)
+    probe.compiled = step
+    try:
+        _check_against_eager(probe)
+    except Exception as e:
+        log.info("the saved step %s is unusable (%s)", artifact, e)
+        return False
+    _steps[artifact] = step
+    return True
+
+
 def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
     """Whether the saved step was loaded: only a file whose sha256 int4q recorded, checked against eager."""
     if not artifact.is_file():
@@ -151,7 +196,7 @@ def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
         log.info("recompiling: %s is not the step int4q saved (its sha256 differs or was never recorded)", artifact)
         return False
     try:
-        decoder.compiled = _load_step(artifact)
+        decoder.compiled = load_step(artifact)
         _check_against_eager(decoder)
     except Exception as e:  # a stale or mismatched file only costs a fresh compile
         log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
@@ -174,7 +219,7 @@ def _aot_compile(decoder: FastDecoder):
     return step
 
 
-def _load_step(artifact: Path):
+def load_step(artifact: Path):
     with open(artifact, "rb") as f:
         step = torch.compiler.load_compiled_function(f, f_globals=vars(decoder_module))
     step.disable_guard_check()
@@ -211,7 +256,7 @@ def _check_against_eager(decoder: FastDecoder) -> None:
         raise StepMismatch(f"the compiled step's logits differ from eager by up to {worst:.3g}")
 
 
-def _inductor_cache():
+def inductor_cache():
     """Inductor's generated code and libraries under the int4q cache while the step is compiled
     or loaded: the default under /tmp does not outlive a reboot, and a saved step whose C++ is
     gone is rebuilt (about 90 s for SmolLM2)."""

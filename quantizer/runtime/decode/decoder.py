@@ -133,7 +133,8 @@ class FastDecoder:
     """One sequence's forward passes with a KV cache of ``max_len`` positions.
 
     ``forward(ids)`` appends ``ids`` [1, T] and returns the last position's logits [1, V].
-    ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps.
+    ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps;
+    ``pending``, when set, is asked for it before each single-token step.
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int):
@@ -154,9 +155,11 @@ class FastDecoder:
             self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
         for t in (self.cos, self.sin):  # one compiled graph serves every cache length
             torch._dynamo.mark_dynamic(t, 1)
+        self.model = model
         self.max_len = max_len
         self.position = 0
         self.compiled = None
+        self.pending = None  # a compiled step on its way (see .background.PendingStep)
 
     def step_arguments(self, token: torch.Tensor, start: int, for_tracing: bool = False) -> tuple:
         """:func:`decode_step`'s arguments for ``token`` [1, 1] at position ``start`` (> 0): the
@@ -179,6 +182,9 @@ class FastDecoder:
         start, t = self.position, ids.shape[1]
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
+        if t == 1 and self.pending is not None:
+            self.compiled = self.pending.poll() or self.compiled
+            self.pending = None if self.pending.finished else self.pending
         if t == 1 and start and self.compiled is not None:
             logits = self.compiled(*self.step_arguments(ids, start))
             self.position += 1

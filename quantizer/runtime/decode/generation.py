@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -24,11 +25,14 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def greedy_ids(model, input_ids: torch.Tensor, max_new_tokens: int, streamer=None) -> torch.Tensor:
-    """Greedy continuation ids [1, <= max_new_tokens] (stops at EOS)."""
+def greedy_ids(model, input_ids: torch.Tensor, max_new_tokens: int, streamer=None,
+               eos: set[int] | None = None) -> torch.Tensor:
+    """Greedy continuation ids [1, <= max_new_tokens]; stops at any id of ``eos`` (default: the
+    model's generation config's)."""
+    stop = {"eos_token_id": sorted(eos)} if eos else {}
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, streamer=streamer, temperature=None, top_p=None, top_k=None)
+                             do_sample=False, streamer=streamer, temperature=None, top_p=None, top_k=None, **stop)
     return out[:, input_ids.shape[1]:]
 
 
@@ -99,8 +103,10 @@ def check_positions(config, tokens: int, what: str) -> None:
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool = False,
-                  compile: bool = True, stats: GenerationStats | None = None) -> Iterator[str]:
-    """Yield decoded text pieces as they are generated (fast decoder where the model allows)."""
+                  compile: bool = True, stats: GenerationStats | None = None,
+                  source: Path | None = None) -> Iterator[str]:
+    """Yield decoded text pieces as they are generated (fast decoder where the model allows).
+    ``source``: the model's checkpoint folder, so the compiled step can be made in the background."""
     from .compiled import open_decoder
 
     ids = encode_prompt(tokenizer, prompt, chat)
@@ -108,15 +114,16 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
                     f"the prompt's {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens}")
     stats = stats or GenerationStats()
     stats.prompt_tokens = ids.shape[1]
-    decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile)
+    decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile, source=source)
+    eos = eos_token_ids(model, tokenizer)
     if decoder is None:
-        yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens, stats)
+        yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens, eos, stats)
         return
-    tokens = fast_greedy(decoder, ids, max_new_tokens, eos_token_ids(model, tokenizer))
+    tokens = fast_greedy(decoder, ids, max_new_tokens, eos)
     yield from detokenize(tokenizer, stats.count(tokens))
 
 
-def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tokens: int,
+def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, eos: set[int],
                                 stats: GenerationStats) -> Iterator[str]:
     from transformers import TextIteratorStreamer
 
@@ -131,7 +138,7 @@ def _generate_text_transformers(model, tokenizer, ids: torch.Tensor, max_new_tok
 
     def work():
         try:
-            greedy_ids(model, ids, max_new_tokens, streamer)
+            greedy_ids(model, ids, max_new_tokens, streamer, eos)
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
             streamer.end()

@@ -1,0 +1,212 @@
+"""The compiled decode step without the wait: decode eagerly at once, and take the compiled step
+between two tokens when it is ready.
+
+A step saved by an earlier run is read in a thread (a few seconds of deserialising) and checked
+against eager on the main thread before it is used. With none saved, a background process
+(``python -m quantizer.runtime.decode.background MODEL_DIR THREADS``, at a lower priority)
+compiles and saves it under an exclusive lock, so one compile serves every run that follows,
+this one included once the file appears. ``int4q compile`` runs the same work in the foreground.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..cache import UntrustedCache, digest_path, matches_digest
+from . import compiled as steps
+from .decoder import FastDecoder
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5
+SECONDS_PER_LAYER = 4.5
+"""A compile's expected duration per decoder layer until this machine has measured its own."""
+WORKER_NICENESS = 10
+
+
+def _rate_file() -> Path:
+    return steps.compiled_dir() / "compile_seconds_per_layer.json"
+
+
+def expected_compile_seconds(layers: int) -> float:
+    """What compiling a step of ``layers`` layers took here last time (a default before any)."""
+    try:
+        rate = float(json.loads(_rate_file().read_text())["seconds_per_layer"])
+    except (OSError, ValueError, KeyError, TypeError, UntrustedCache):
+        rate = SECONDS_PER_LAYER
+    return rate * layers
+
+
+def _record_compile_seconds(seconds: float, layers: int) -> None:
+    with contextlib.suppress(OSError, UntrustedCache):
+        _rate_file().write_text(json.dumps({"seconds_per_layer": round(seconds / max(layers, 1), 2)}))
+
+
+def saved_step_ready(artifact: Path) -> bool:
+    """Whether ``artifact`` is a step int4q finished saving (its sha256 recorded and matching)."""
+    return artifact.is_file() and matches_digest(artifact)
+
+
+@contextlib.contextmanager
+def exclusive(artifact: Path):
+    """Yields whether this process holds the artifact's compile lock (False: another one does)."""
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(artifact.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def compile_and_save(model_dir: Path, threads: int) -> tuple[Path, str]:
+    """Compile and save the decode step of the checkpoint ``model_dir`` at ``threads`` threads.
+    Returns (the artifact, what happened: "compiled", "already saved" or "being compiled")."""
+    from ..loader import load_model
+
+    model = load_model(model_dir, threads=threads)
+    artifact = steps.artifact_path(model)
+    with exclusive(artifact) as held:
+        if not held:
+            return artifact, "being compiled"
+        if saved_step_ready(artifact):
+            return artifact, "already saved"
+        decoder = FastDecoder(model, steps.MIN_CACHE)
+        started = time.perf_counter()
+        steps.compile_step(decoder, artifact)
+        if decoder.compiled is None:
+            raise RuntimeError("the decode step did not compile (see the warning above)")
+        _record_compile_seconds(time.perf_counter() - started, len(decoder.layers))
+    return artifact, "compiled"
+
+
+def start_worker(model_dir: Path, artifact: Path) -> subprocess.Popen | None:
+    """A detached process compiling ``model_dir``'s step at this process's thread count (its
+    output in ``<artifact>.log``); None when it cannot start."""
+    command = [sys.executable, "-m", __name__, str(Path(model_dir).absolute()), str(torch.get_num_threads())]
+    try:
+        artifact.parent.mkdir(parents=True, exist_ok=True)
+        with open(artifact.with_suffix(".log"), "w") as out:
+            worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+    except OSError as e:
+        log.info("cannot start the background compile: %s", e)
+        return None
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, worker.pid, WORKER_NICENESS)  # the user's decode comes first
+    return worker
+
+
+class PendingStep:
+    """A compiled step on its way: read from ``artifact`` in a thread once the file is ready.
+    :meth:`poll`, called on the decoding thread between tokens, returns it (also ``step``) once
+    it is read and matches eager, else None. A saved step that does not is removed and compiled again from
+    ``source`` in the background, once."""
+
+    def __init__(self, model: torch.nn.Module, artifact: Path, source: Path, worker: subprocess.Popen | None = None):
+        self.model, self.artifact, self.source, self.worker = model, artifact, source, worker
+        self.finished = False
+        self.step = None
+        self._retried = worker is not None
+        self._thread: threading.Thread | None = None
+        self._loaded: list = []
+        self._next_look = 0.0
+        self._threads = torch.get_num_threads()
+        self._share_cores()
+
+    def _share_cores(self) -> None:
+        """While a worker compiles (on one core of its own), decode on the others: a thread that
+        shares a core with it stalls every parallel region of the decode."""
+        if self.worker is not None and self._threads >= len(os.sched_getaffinity(0)):
+            torch.set_num_threads(max(1, self._threads - 1))
+
+    def _finish(self) -> None:
+        self.finished = True
+        torch.set_num_threads(self._threads)  # the step was compiled for the caller's thread count
+
+    def poll(self):
+        if self.finished:
+            return self.step
+        if self._thread is None:
+            now = time.monotonic()
+            if now < self._next_look:
+                return None
+            self._next_look = now + POLL_SECONDS
+            if not saved_step_ready(self.artifact):
+                if self.worker is not None and self.worker.poll() not in (None, 0):
+                    self._finish()
+                return None
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+            return None
+        if self._thread.is_alive():
+            return None
+        step = self._loaded[0] if self._loaded else None
+        if step is not None and steps.adopt_step(self.model, step, self.artifact):
+            self.step = step
+            self._finish()
+            return step
+        self._recompile()
+        return None
+
+    def _recompile(self) -> None:
+        """Drop the unusable saved step (int4q's own cache file) and compile it anew, once."""
+        self._thread, self._loaded = None, []
+        if self._retried:
+            self._finish()
+            return
+        self._retried = True
+        for path in (self.artifact, digest_path(self.artifact)):
+            path.unlink(missing_ok=True)
+        self.worker = start_worker(self.source, self.artifact)
+        if self.worker is None:
+            self._finish()
+        else:
+            self._share_cores()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the step is ready (or ``timeout`` seconds pass); the step or None."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.finished and (end is None or time.monotonic() < end):
+            self.poll()
+            time.sleep(0.05)
+        return self.step
+
+    def _read(self) -> None:
+        try:
+            with steps.inductor_cache():
+                self._loaded.append(steps.load_step(self.artifact))
+        except Exception as e:  # a stale or damaged file: this run stays eager
+            log.info("the saved step %s is unusable (%s)", self.artifact, e)
+
+
+def main(argv: list[str]) -> int:
+    """The background worker: compile on one core (the last this process may use), one compile
+    job at a time, so the run that started it keeps the other cores."""
+    import torch._inductor.config as inductor_config
+
+    model_dir, threads = Path(argv[0]), int(argv[1])
+    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    inductor_config.compile_threads = 1
+    artifact, outcome = compile_and_save(model_dir, threads)
+    print(f"{outcome}: {artifact}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

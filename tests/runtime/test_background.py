@@ -1,0 +1,87 @@
+"""The compiled decode step without the wait: decoding starts eagerly at once, and takes the
+step between two tokens once a background process (or an earlier run) has saved it."""
+
+import logging
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantizer.cli.main import main
+from quantizer.runtime import load_model
+from quantizer.runtime.cache import record_digest
+from quantizer.runtime.decode import background
+from quantizer.runtime.decode import compiled as fastpath
+from quantizer.runtime.decode.generation import fast_greedy
+
+IDS = torch.tensor([[1, 5, 9]])
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache of this module's own (the background process reads the environment)."""
+    before = os.environ.get("INT4Q_CACHE_DIR")
+    os.environ["INT4Q_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    os.environ.pop("INT4Q_CACHE_DIR") if before is None else os.environ.update(INT4Q_CACHE_DIR=before)
+
+
+@pytest.fixture
+def model(tiny_model, cache, monkeypatch):
+    monkeypatch.setattr(fastpath, "_steps", {})  # as in a fresh process
+    return load_model(tiny_model)
+
+
+def eager_tokens(model):
+    return list(fast_greedy(fastpath.open_decoder(model, 64, compile=False), IDS, TOKENS, set()))
+
+
+def test_a_first_run_decodes_eagerly_while_a_background_process_compiles_the_step(model, tiny_model, caplog):
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.WARNING):
+        decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    assert decoder.compiled is None and decoder.pending.worker is not None
+    assert "decoding eagerly while the decode step compiles in the background (about" in caplog.text
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
+    assert decoder.pending.worker.wait(timeout=900) == 0
+    assert decoder.pending.wait(timeout=300) is not None
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
+    assert decoder.compiled is not None and decoder.pending is None
+    assert torch.get_num_threads() == threads  # lent to the worker's core while it compiled, then given back
+
+
+def test_a_later_run_reads_the_saved_step_in_a_thread_and_compiles_nothing(model, tiny_model, monkeypatch):
+    monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
+    monkeypatch.setattr(background, "start_worker", lambda *a: pytest.fail("started a compile"))
+    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    assert decoder.pending is not None and decoder.pending.worker is None
+    assert decoder.pending.wait(timeout=300) is not None
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
+    assert decoder.compiled is not None
+
+
+def test_int4q_compile_saves_the_step_ahead_once(tiny_model, cache):
+    result = CliRunner().invoke(main, ["compile", str(tiny_model), "--threads", str(torch.get_num_threads())])
+    assert result.exit_code == 0 and "decode step already saved: " in result.output, result.output
+
+
+def test_a_compile_under_way_is_not_started_twice(model, tiny_model, monkeypatch):
+    monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled while another compile ran"))
+    artifact = fastpath.artifact_path(model)
+    with background.exclusive(artifact) as held:
+        assert held
+        assert background.compile_and_save(tiny_model, torch.get_num_threads()) == (artifact, "being compiled")
+
+
+def test_an_unusable_saved_step_is_removed_and_compiled_again(model, tiny_model, monkeypatch):
+    artifact = fastpath.artifact_path(model)
+    artifact.write_bytes(b"not a compiled function")
+    record_digest(artifact)
+    restarted = []
+    monkeypatch.setattr(background, "start_worker", lambda source, path: restarted.append(path))
+    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    assert decoder.pending.wait(timeout=60) is None
+    assert restarted == [artifact] and not artifact.exists()
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model) and decoder.compiled is None
