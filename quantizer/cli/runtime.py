@@ -48,13 +48,16 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--threads", type=click.IntRange(1, 1024),
               help="The thread count generate and bench will run at (default: torch's choice).")
-def compile_step(model_dir, threads):
+@click.option("--max-len", default=256, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Prompt plus new tokens the step serves (models int4q's own decoder does not cover compile one "
+                   "step per power of two).")
+def compile_step(model_dir, threads, max_len):
     """Compile and save a checkpoint's decode step now, so the first generate runs at full speed."""
     import torch
 
     from ..runtime.decode.background import compile_and_save
 
-    artifact, outcome = compile_and_save(model_dir, threads or torch.get_num_threads())
+    artifact, outcome = compile_and_save(model_dir, threads or torch.get_num_threads(), max_len)
     click.echo(f"decode step {outcome}: {artifact}")
 
 

@@ -72,7 +72,7 @@ def test_a_compile_under_way_is_not_started_twice(model, tiny_model, monkeypatch
     artifact = fastpath.artifact_path(model)
     with background.exclusive(artifact) as held:
         assert held
-        assert background.compile_and_save(tiny_model, torch.get_num_threads()) == (artifact, "being compiled")
+        assert background.compile_and_save(tiny_model, torch.get_num_threads(), 64) == (artifact, "being compiled")
 
 
 def test_an_unusable_saved_step_is_removed_and_compiled_again(model, tiny_model, monkeypatch):
@@ -80,8 +80,23 @@ def test_an_unusable_saved_step_is_removed_and_compiled_again(model, tiny_model,
     artifact.write_bytes(b"not a compiled function")
     record_digest(artifact)
     restarted = []
-    monkeypatch.setattr(background, "start_worker", lambda source, path: restarted.append(path))
+    monkeypatch.setattr(background, "start_worker", lambda source, path, max_len: restarted.append(path))
     decoder = fastpath.open_decoder(model, 64, source=tiny_model)
     assert decoder.pending.wait(timeout=60) is None
     assert restarted == [artifact] and not artifact.exists()
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model) and decoder.compiled is None
+
+
+def test_a_step_that_does_not_compile_is_not_compiled_again_by_later_runs(model, tiny_model, monkeypatch):
+    def broken(decoder):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fastpath, "_warned", set())
+    monkeypatch.setattr(fastpath, "artifact_path", lambda m, variant="": fastpath.compiled_dir() / "broken.aot")
+    monkeypatch.setattr(fastpath, "_aot_compile", broken)
+    assert fastpath.open_decoder(model, 64).compiled is None
+    assert "no C++ compiler" in (fastpath.compiled_dir() / "broken.failed").read_text()
+    monkeypatch.setattr(background, "start_worker", lambda *a: pytest.fail("started a compile"))
+    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    assert decoder.compiled is None and decoder.pending is None
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)

@@ -43,7 +43,7 @@ def test_an_untrusted_cache_decodes_compiled_but_loads_and_saves_nothing_there(t
     shared.chmod(0o777)
     monkeypatch.setenv("INT4Q_CACHE_DIR", str(shared))
     monkeypatch.setattr(fastpath, "_warned", set())
-    monkeypatch.setattr(fastpath, "load_step", lambda path: pytest.fail("loaded a step from an untrusted cache"))
+    monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("loaded a step from an untrusted cache"))
     with caplog.at_level(logging.WARNING):
         decoder = fastpath.open_decoder(load_model(tiny_model), 16)
     assert decoder.compiled is not None
@@ -62,5 +62,5 @@ def test_a_planted_step_is_never_unpickled(tiny_model, tmp_path, monkeypatch):
     assert cache.matches_digest(artifact)
     artifact.write_bytes(b"\x80\x04 a pickle someone else wrote")
     fastpath._steps.clear()
-    monkeypatch.setattr(fastpath, "load_step", lambda path: pytest.fail("unpickled a file int4q did not save"))
+    monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("unpickled a file int4q did not save"))
     assert fastpath.open_decoder(model, 16).compiled is not None

@@ -10,7 +10,7 @@ from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime import load_model
 from quantizer.runtime.cache import cache_dir
 from quantizer.runtime.decode import compiled as fastpath
-from quantizer.runtime.decode.decoder import FastDecoder, unsupported_reason
+from quantizer.runtime.decode.decoder import FastDecoder, decode_step, mark_exact_norms, unsupported_reason
 from quantizer.runtime.decode.generation import (
     GenerationStats,
     encode_prompt,
@@ -81,9 +81,11 @@ def test_cache_overflow_is_an_input_error(tiny_model):
         decoder.forward(torch.zeros(1, 5, dtype=torch.long))
 
 
-def test_unsupported_model_falls_back_to_generate_with_one_warning(tmp_path, caplog):
+def test_a_model_with_no_static_cache_falls_back_to_generate_with_one_warning(tmp_path, caplog, monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    monkeypatch.setattr(GPT2LMHeadModel, "_can_compile_fullgraph", False)
+    monkeypatch.setattr(fastpath, "_warned", set())
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=2, n_positions=128)).save_pretrained(tmp_path)
     tokenizer = save_byte_tokenizer(tmp_path)
@@ -142,7 +144,7 @@ def test_a_damaged_or_wrong_saved_step_costs_a_compile_never_a_failure(tiny_mode
         return torch.zeros(1, vocab)
 
     fastpath._steps.clear()
-    monkeypatch.setattr(fastpath, "load_step", lambda path: wrong)
+    monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: wrong)
     decoder = fastpath.open_decoder(model, 16)
     assert decoder.compiled is not None and decoder.compiled is not wrong
     ids = torch.tensor([[5, 6]])
@@ -211,14 +213,14 @@ def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model)
     if not gemv.has_gemv():
         pytest.skip("int4q's operators are not loaded on this CPU: the compiled step uses Inductor's reduction")
     decoder = FastDecoder(load_model(tiny_model), 16)
-    assert fastpath.mark_exact_norms(decoder) == 2 * len(decoder.layers) + 1
+    assert mark_exact_norms(decoder.layers, decoder.norm) == 2 * len(decoder.layers) + 1
     graphs = []
 
     def record(graph_module, example_inputs):
         graphs.append(str(graph_module.graph))
         return graph_module.forward
 
-    step = torch.compile(fastpath.decode_step, backend=record, fullgraph=True)
+    step = torch.compile(decode_step, backend=record, fullgraph=True)
     with torch.inference_mode():
         decoder.forward(torch.tensor([[3, 4]]))
         step(*decoder.step_arguments(torch.tensor([[5]]), 2, for_tracing=True))

@@ -3,7 +3,7 @@ between two tokens when it is ready.
 
 A step saved by an earlier run is read in a thread (a few seconds of deserialising) and checked
 against eager on the main thread before it is used. With none saved, a background process
-(``python -m quantizer.runtime.decode.background MODEL_DIR THREADS``, at a lower priority)
+(``python -m quantizer.runtime.decode.background MODEL_DIR THREADS MAX_LEN``, on a core of its own)
 compiles and saves it under an exclusive lock, so one compile serves every run that follows,
 this one included once the file appears. ``int4q compile`` runs the same work in the foreground.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ...errors import InputError
 from ..cache import UntrustedCache, digest_path, matches_digest
 from . import compiled as steps
-from .decoder import FastDecoder
 
 log = logging.getLogger(__name__)
 
@@ -74,31 +74,35 @@ def exclusive(artifact: Path):
         os.close(fd)
 
 
-def compile_and_save(model_dir: Path, threads: int) -> tuple[Path, str]:
-    """Compile and save the decode step of the checkpoint ``model_dir`` at ``threads`` threads.
-    Returns (the artifact, what happened: "compiled", "already saved" or "being compiled")."""
+def compile_and_save(model_dir: Path, threads: int, max_len: int) -> tuple[Path, str]:
+    """Compile and save the decode step of the checkpoint ``model_dir`` at ``threads`` threads
+    for sequences of up to ``max_len`` tokens. Returns (the artifact, what happened: "compiled",
+    "already saved" or "being compiled"); InputError for a model that decodes through generate."""
     from ..loader import load_model
 
     model = load_model(model_dir, threads=threads)
-    artifact = steps.artifact_path(model)
+    decoder = steps.new_decoder(model, max_len)
+    if decoder is None:
+        raise InputError(f"{model_dir}: this model decodes through transformers' generate, which has no step to compile")
+    artifact = steps.artifact_path(model, decoder.variant)
     with exclusive(artifact) as held:
         if not held:
             return artifact, "being compiled"
         if saved_step_ready(artifact):
             return artifact, "already saved"
-        decoder = FastDecoder(model, steps.MIN_CACHE)
         started = time.perf_counter()
         steps.compile_step(decoder, artifact)
         if decoder.compiled is None:
             raise RuntimeError("the decode step did not compile (see the warning above)")
-        _record_compile_seconds(time.perf_counter() - started, len(decoder.layers))
+        _record_compile_seconds(time.perf_counter() - started, decoder.layer_count)
     return artifact, "compiled"
 
 
-def start_worker(model_dir: Path, artifact: Path) -> subprocess.Popen | None:
+def start_worker(model_dir: Path, artifact: Path, max_len: int) -> subprocess.Popen | None:
     """A detached process compiling ``model_dir``'s step at this process's thread count (its
     output in ``<artifact>.log``); None when it cannot start."""
-    command = [sys.executable, "-m", __name__, str(Path(model_dir).absolute()), str(torch.get_num_threads())]
+    command = [sys.executable, "-m", __name__, str(Path(model_dir).absolute()), str(torch.get_num_threads()),
+               str(max_len)]
     try:
         artifact.parent.mkdir(parents=True, exist_ok=True)
         with open(artifact.with_suffix(".log"), "w") as out:
@@ -118,8 +122,8 @@ class PendingStep:
     it is read and matches eager, else None. A saved step that does not is removed and compiled again from
     ``source`` in the background, once."""
 
-    def __init__(self, model: torch.nn.Module, artifact: Path, source: Path, worker: subprocess.Popen | None = None):
-        self.model, self.artifact, self.source, self.worker = model, artifact, source, worker
+    def __init__(self, decoder, artifact: Path, source: Path, worker: subprocess.Popen | None = None):
+        self.decoder, self.artifact, self.source, self.worker = decoder, artifact, source, worker
         self.finished = False
         self.step = None
         self._retried = worker is not None
@@ -157,7 +161,7 @@ class PendingStep:
         if self._thread.is_alive():
             return None
         step = self._loaded[0] if self._loaded else None
-        if step is not None and steps.adopt_step(self.model, step, self.artifact):
+        if step is not None and steps.adopt_step(self.decoder, step, self.artifact):
             self.step = step
             self._finish()
             return step
@@ -173,7 +177,7 @@ class PendingStep:
         self._retried = True
         for path in (self.artifact, digest_path(self.artifact)):
             path.unlink(missing_ok=True)
-        self.worker = start_worker(self.source, self.artifact)
+        self.worker = start_worker(self.source, self.artifact, self.decoder.max_len)
         if self.worker is None:
             self._finish()
         else:
@@ -190,7 +194,7 @@ class PendingStep:
     def _read(self) -> None:
         try:
             with steps.inductor_cache():
-                self._loaded.append(steps.load_step(self.artifact))
+                self._loaded.append(steps.load_step(self.artifact, self.decoder))
         except Exception as e:  # a stale or damaged file: this run stays eager
             log.info("the saved step %s is unusable (%s)", self.artifact, e)
 
@@ -200,10 +204,10 @@ def main(argv: list[str]) -> int:
     job at a time, so the run that started it keeps the other cores."""
     import torch._inductor.config as inductor_config
 
-    model_dir, threads = Path(argv[0]), int(argv[1])
+    model_dir, threads, max_len = Path(argv[0]), int(argv[1]), int(argv[2])
     os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     inductor_config.compile_threads = 1
-    artifact, outcome = compile_and_save(model_dir, threads)
+    artifact, outcome = compile_and_save(model_dir, threads, max_len)
     print(f"{outcome}: {artifact}", flush=True)
     return 0
 

@@ -1,16 +1,16 @@
 """Choosing and compiling the decode path.
 
-:func:`open_decoder` returns a :class:`FastDecoder` whose single-token steps run one
-ahead-of-time compiled graph (``torch.compile(...).aot_compile``; Inductor told to round like
-eager, so greedy tokens stay identical), or None when the model needs transformers' own
-``generate``.
+:func:`open_decoder` returns a decoder (:class:`FastDecoder`, or :class:`StaticDecoder` for the
+models it does not cover) whose single-token steps run one ahead-of-time compiled graph
+(``torch.compile(...).aot_compile``; Inductor told to round like eager), or None when the model
+needs transformers' own ``generate``.
 
-The compiled step is saved per model, int4q runtime source, torch and transformers version,
-thread count and machine under the int4q cache folder, with the C++ Inductor built for it, so
-a later run loads it without tracing or compiling anything. Its guards are not evaluated per
-token (that check cost as much as a fifth of a step): the cache key stands for them, and each
-step, saved or fresh, must match an eager step before it is used. Where compilation fails,
-decoding continues eagerly after one warning.
+The compiled step is saved per model, decoder, int4q runtime source, torch and transformers
+version, thread count and machine under the int4q cache folder, with the C++ Inductor built for
+it, so a later run loads it without tracing or compiling anything. Its guards are not evaluated
+per token (that check cost as much as a fifth of a step): the cache key stands for them, and
+each step, saved or fresh, must match an eager step before it is used. Where compilation fails,
+decoding continues eagerly after one warning, and later runs with the same key do not retry.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -33,8 +34,8 @@ from ..cache import (
 )
 from ..native.gemv import has_gemv
 from ..nn.int4 import Int4Linear
-from . import decoder as decoder_module
-from .decoder import FastDecoder, decode_step, llama_rms_norm, unsupported_reason
+from .decoder import FastDecoder, unsupported_reason
+from .static import StaticDecoder
 
 log = logging.getLogger(__name__)
 
@@ -61,35 +62,17 @@ def compiled_dir() -> Path:
     return trusted_cache_dir() / "compiled"
 
 
-def artifact_path(model: torch.nn.Module) -> Path:
-    """Where this model's compiled decode step is kept: keyed by everything its graph depends on."""
+def artifact_path(model: torch.nn.Module, variant: str = "") -> Path:
+    """Where this model's compiled decode step is kept: keyed by everything its graph depends on
+    (``variant``: the decoder's, e.g. a static cache's length)."""
     import transformers
 
     key = {"torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "config": model.config.to_dict(), "modules": repr(model),
            "machine": machine_identity(), "native_gemv": has_gemv(),
-           "sources": runtime_source_digest()}
+           "sources": runtime_source_digest(), "decoder": variant}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return compiled_dir() / f"{digest}.aot"
-
-
-def mark_exact_norms(decoder: FastDecoder) -> int:
-    """Mark the norms whose forward is LlamaRMSNorm's (checked on a seeded input) to take their
-    variance from the opaque ``int4q_native.mean_square`` when compiled (see :func:`.decoder.rms_norm`);
-    only where int4q's operators are loaded. Returns how many were marked."""
-    if not has_gemv():
-        return 0
-    marked, gen = 0, torch.Generator().manual_seed(0)
-    for module in (*decoder.layers.modules(), decoder.norm):
-        weight = getattr(module, "weight", None)
-        if weight is None or not hasattr(module, "variance_epsilon") or weight.dim() != 1:
-            continue
-        h = (torch.randn(1, 3, weight.numel(), generator=gen) * 3).to(torch.bfloat16)
-        with torch.inference_mode():
-            same = torch.equal(module(h), llama_rms_norm(module, h, lambda x: x.pow(2).mean(-1, keepdim=True)))
-        module.exact_mean_square = same
-        marked += same
-    return marked
 
 
 def _warn_once(message: str) -> None:
@@ -98,21 +81,32 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
-                 source: Path | None = None) -> FastDecoder | None:
-    """A ready FastDecoder for sequences of up to ``max_len`` tokens, or None (with one warning)
-    when ``model`` must use transformers' generate. With ``compile``, the compiled step: with the
-    checkpoint folder ``source``, taken between tokens once read or compiled in the background
-    (see :mod:`.background`), so decoding starts at once; without, read or compiled now."""
+def new_decoder(model: torch.nn.Module, max_len: int) -> FastDecoder | StaticDecoder | None:
+    """The decoder for ``model`` over ``max_len`` tokens: int4q's own where it covers the model,
+    else the model's forward over a static cache; None (with one warning) where transformers
+    cannot give the model a static cache, which then decodes through ``generate``."""
     reason = unsupported_reason(model, max_len)
-    if reason:
-        _warn_once(f"decoding through transformers' generate (slower): {reason}")
-        return None
-    decoder = FastDecoder(model, max(max_len, MIN_CACHE))
-    if not compile:
+    if reason is None:
+        return FastDecoder(model, max(max_len, MIN_CACHE))
+    if getattr(model, "_can_compile_fullgraph", False):
+        log.info("decoding through the model's own forward over a static cache: %s", reason)
+        return StaticDecoder(model, max_len)
+    _warn_once(f"decoding through transformers' generate (slower): {reason}, and transformers has no static "
+               f"cache for {type(model).__name__}")
+    return None
+
+
+def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
+                 source: Path | None = None) -> FastDecoder | StaticDecoder | None:
+    """A ready decoder (see :func:`new_decoder`) for sequences of up to ``max_len`` tokens, or
+    None. With ``compile``, the compiled step: with the checkpoint folder ``source``, taken
+    between tokens once read or compiled in the background (see :mod:`.background`), so decoding
+    starts at once; without, read or compiled now."""
+    decoder = new_decoder(model, max_len)
+    if decoder is None or not compile:
         return decoder
     try:
-        artifact = artifact_path(model)
+        artifact = artifact_path(model, decoder.variant)
     except UntrustedCache as e:
         _warn_once(f"{e}; compiling the decode step without loading or saving it there")
         artifact = None
@@ -123,30 +117,39 @@ def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
     return decoder
 
 
-def _step_in_background(decoder: FastDecoder, artifact: Path, source: Path) -> None:
+def failed_marker(artifact: Path) -> Path:
+    """Where a step that did not compile (or did not match eager) says why: later runs with the
+    same key decode eagerly instead of compiling it again."""
+    return artifact.with_suffix(".failed")
+
+
+def _step_in_background(decoder, artifact: Path, source: Path) -> None:
     from .background import PendingStep, expected_compile_seconds, saved_step_ready, start_worker
 
     _use_direct_kernels(decoder)
+    if failed_marker(artifact).is_file():
+        log.info("decoding eagerly: this model's step did not compile here (%s)", failed_marker(artifact))
+        return
     worker = None
     if not saved_step_ready(artifact):
-        worker = start_worker(source, artifact)
+        worker = start_worker(source, artifact, decoder.max_len)
         if worker is None:
             compile_step(decoder, artifact)
             return
         _warn_once(f"decoding eagerly while the decode step compiles in the background (about "
-                   f"{expected_compile_seconds(len(decoder.layers)):.0f} s, once for this model and machine; "
+                   f"{expected_compile_seconds(decoder.layer_count):.0f} s, once for this model and machine; "
                    "`int4q compile` does it ahead); this run switches to it when it is ready")
-    decoder.pending = PendingStep(decoder.model, artifact, source, worker)
+    decoder.pending = PendingStep(decoder, artifact, source, worker)
 
 
-def _use_direct_kernels(decoder: FastDecoder) -> None:
-    for module in (*decoder.layers.modules(), decoder.head):
+def _use_direct_kernels(decoder) -> None:
+    for module in decoder.model.modules():
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
 
 
 @torch.inference_mode()
-def compile_step(decoder: FastDecoder, artifact: Path | None) -> None:
+def compile_step(decoder, artifact: Path | None) -> None:
     """Give the decoder its compiled single-token step: the saved one when it is the file int4q
     saved and it matches eager, else a fresh one (then saved, with its sha256); eager decoding
     after one warning when neither works. ``artifact`` None: no cache to use."""
@@ -154,30 +157,36 @@ def compile_step(decoder: FastDecoder, artifact: Path | None) -> None:
     if artifact in _steps:  # checked when this process loaded or compiled it
         decoder.compiled = _steps[artifact]
         return
+    if artifact and failed_marker(artifact).is_file():
+        log.info("decoding eagerly: this model's step did not compile here (%s)", failed_marker(artifact))
+        return
     with inductor_cache() if artifact else contextlib.nullcontext():
         if artifact and _load_saved(decoder, artifact):
             return
         from .background import expected_compile_seconds
 
         log.warning("compiling the decode step for this model and machine (about %.0f s, once)",
-                    expected_compile_seconds(len(decoder.layers)))
+                    expected_compile_seconds(decoder.layer_count))
         try:
             decoder.compiled = _aot_compile(decoder)
             _check_against_eager(decoder)
         except Exception as e:
             decoder.compiled = None
-            _warn_once(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                       "decoding eagerly")
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            _warn_once(f"torch.compile failed ({reason}); decoding eagerly")
+            if artifact:
+                with contextlib.suppress(OSError):
+                    failed_marker(artifact).write_text(reason + "\n")
             return
         if artifact:
             _steps[artifact] = decoder.compiled
             _save_step(decoder.compiled, artifact)
 
 
-def adopt_step(model: torch.nn.Module, step, artifact: Path) -> bool:
-    """Whether a step read from ``artifact`` matches eager (checked on a decoder of its own, so a
-    running one keeps its cache); then this process's other decoders get it too."""
-    probe = FastDecoder(model, MIN_CACHE)
+def adopt_step(decoder, step, artifact: Path) -> bool:
+    """Whether a step read from ``artifact`` matches eager (checked on a probe decoder, so that
+    ``decoder`` keeps its cache); then this process's other decoders get it too."""
+    probe = decoder.probe()
     probe.compiled = step
     try:
         _check_against_eager(probe)
@@ -188,7 +197,7 @@ def adopt_step(model: torch.nn.Module, step, artifact: Path) -> bool:
     return True
 
 
-def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
+def _load_saved(decoder, artifact: Path) -> bool:
     """Whether the saved step was loaded: only a file whose sha256 int4q recorded, checked against eager."""
     if not artifact.is_file():
         return False
@@ -196,7 +205,7 @@ def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
         log.info("recompiling: %s is not the step int4q saved (its sha256 differs or was never recorded)", artifact)
         return False
     try:
-        decoder.compiled = load_step(artifact)
+        decoder.compiled = load_step(artifact, decoder)
         _check_against_eager(decoder)
     except Exception as e:  # a stale or mismatched file only costs a fresh compile
         log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
@@ -206,12 +215,11 @@ def _load_saved(decoder: FastDecoder, artifact: Path) -> bool:
     return True
 
 
-def _aot_compile(decoder: FastDecoder):
-    """Trace and compile :func:`decode_step` once for this decoder's model (every position)."""
-    mark_exact_norms(decoder)  # only tracing reads the marks: a saved step already holds their effect
-    decoder.reset()
-    decoder.forward(torch.zeros(1, 2, dtype=torch.long))  # a cache of length > 1: the length stays dynamic
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+def _aot_compile(decoder):
+    """Trace and compile the decoder's single-token step once for its model (every position)."""
+    decoder.prepare_tracing()  # only tracing reads its marks: a saved step already holds their effect
+    compiled = torch.compile(decoder.step_function, fullgraph=True, dynamic=False,
+                             options={**INDUCTOR_OPTIONS, **decoder.compile_options})
     example = decoder.step_arguments(torch.zeros(1, 1, dtype=torch.long), 2, for_tracing=True)
     step = compiled.aot_compile((example, {}))
     decoder.reset()
@@ -219,9 +227,10 @@ def _aot_compile(decoder: FastDecoder):
     return step
 
 
-def load_step(artifact: Path):
+def load_step(artifact: Path, decoder):
+    """The step saved in ``artifact`` for a decoder of ``decoder``'s kind."""
     with open(artifact, "rb") as f:
-        step = torch.compiler.load_compiled_function(f, f_globals=vars(decoder_module))
+        step = torch.compiler.load_compiled_function(f, f_globals=vars(sys.modules[decoder.step_function.__module__]))
     step.disable_guard_check()
     return step
 
@@ -235,7 +244,7 @@ def _save_step(step, artifact: Path) -> None:
         log.info("cannot save the compiled step to %s: %s", artifact, e)
 
 
-def _check_against_eager(decoder: FastDecoder) -> None:
+def _check_against_eager(decoder) -> None:
     """Raise StepMismatch unless one compiled step picks the eager step's token with logits
     within bf16 rounding of it. Leaves the decoder reset."""
     prompt, token = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])

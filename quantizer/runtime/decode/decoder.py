@@ -8,7 +8,7 @@ the whole model: the position is a tensor and the caches come in as views whose 
 dynamic, so the graph holds for every position and every cache size.
 
 Covers decoder layers shaped like Llama's (:data:`FAST_MODEL_TYPES`); :func:`unsupported_reason`
-says why any other model must decode through transformers' ``generate`` instead.
+says why another model decodes through its own forward instead (:mod:`.static`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ...errors import InputError
 from ..native.dequant import shared_weight_buffer
+from ..native.gemv import has_gemv
 from ..nn.fusion import Int4Slice
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -85,6 +86,32 @@ def llama_rms_norm(module, h, mean_square):
     return module.weight * x.to(h.dtype)
 
 
+def mark_exact_norms(layers, norm) -> int:
+    """Mark the norms whose forward is LlamaRMSNorm's (checked on a seeded input) to take their
+    variance from the opaque ``int4q_native.mean_square`` when compiled (see :func:`rms_norm`);
+    only where int4q's operators are loaded. Returns how many were marked."""
+    if not has_gemv():
+        return 0
+    marked, gen = 0, torch.Generator().manual_seed(0)
+    for module in (*layers.modules(), norm):
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(module, "variance_epsilon") or weight.dim() != 1:
+            continue
+        h = (torch.randn(1, 3, weight.numel(), generator=gen) * 3).to(torch.bfloat16)
+        with torch.inference_mode():
+            same = torch.equal(module(h), llama_rms_norm(module, h, lambda x: x.pow(2).mean(-1, keepdim=True)))
+        module.exact_mean_square = same
+        marked += same
+    return marked
+
+
+def take_pending_step(decoder) -> None:
+    """Before a single-token step: the decoder's pending compiled step, once it is ready."""
+    if decoder.pending is not None:
+        decoder.compiled = decoder.pending.poll() or decoder.compiled
+        decoder.pending = None if decoder.pending.finished else decoder.pending
+
+
 def attention_inputs(layer, h, cos, sin, rope):
     """h [1, T, D] -> rotated q [1, H, T, hd], k and v [1, Hkv, T, hd]."""
     attn = layer.self_attn
@@ -130,12 +157,17 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
 
 
 class FastDecoder:
-    """One sequence's forward passes with a KV cache of ``max_len`` positions.
+    """One sequence's forward passes with a KV cache of ``max_len`` positions: the decoder for
+    the model types of :func:`unsupported_reason` (see :class:`.static.StaticDecoder` for the rest).
 
     ``forward(ids)`` appends ``ids`` [1, T] and returns the last position's logits [1, V].
     ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps;
     ``pending``, when set, is asked for it before each single-token step.
     """
+
+    step_function = staticmethod(decode_step)
+    compile_options: dict = {}
+    variant = ""
 
     def __init__(self, model: torch.nn.Module, max_len: int):
         reason = unsupported_reason(model, max_len)
@@ -156,6 +188,7 @@ class FastDecoder:
         for t in (self.cos, self.sin):  # one compiled graph serves every cache length
             torch._dynamo.mark_dynamic(t, 1)
         self.model = model
+        self.layer_count = len(self.layers)
         self.max_len = max_len
         self.position = 0
         self.compiled = None
@@ -174,6 +207,17 @@ class FastDecoder:
         return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
                 self.cos, self.sin, self.rope, self.scale)
 
+    def probe(self) -> "FastDecoder":
+        """A decoder of its own for checking a step (every cache length shares the graph)."""
+        return FastDecoder(self.model, 4)
+
+    def prepare_tracing(self) -> None:
+        """The norms marked (see :func:`mark_exact_norms`) and a cache longer than one position,
+        so that the traced length stays dynamic."""
+        mark_exact_norms(self.layers, self.norm)
+        self.reset()
+        self.forward(torch.zeros(1, 2, dtype=torch.long))
+
     def reset(self) -> None:
         self.position = 0
 
@@ -182,9 +226,8 @@ class FastDecoder:
         start, t = self.position, ids.shape[1]
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
-        if t == 1 and self.pending is not None:
-            self.compiled = self.pending.poll() or self.compiled
-            self.pending = None if self.pending.finished else self.pending
+        if t == 1:
+            take_pending_step(self)
         if t == 1 and start and self.compiled is not None:
             logits = self.compiled(*self.step_arguments(ids, start))
             self.position += 1

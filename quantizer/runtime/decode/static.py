@@ -1,0 +1,98 @@
+"""Decoding any causal LM transformers knows: the model's own forward over transformers' static
+KV cache, so that one graph of a single-token step can be compiled for it (see
+:mod:`.compiled`) as for :class:`.decoder.FastDecoder`.
+
+The cache holds a fixed number of positions (a power of two, at least :data:`MIN_POSITIONS`),
+so one compiled step serves every prompt up to that length; its layers (full or sliding
+window, as the config says) are allocated by the first forward, the prompt's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ...errors import InputError
+from .decoder import take_pending_step
+
+MIN_POSITIONS = 256
+
+
+def cache_positions(max_len: int) -> int:
+    """The static cache length for sequences of up to ``max_len`` tokens."""
+    return max(MIN_POSITIONS, 1 << (max(max_len, 1) - 1).bit_length())
+
+
+def static_step(model, token, position, cache: dict):
+    """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long); its keys and values go
+    into the static cache ``cache`` holds under the name the model's forward takes it by."""
+    out = model(input_ids=token, cache_position=position, use_cache=True, logits_to_keep=1, **cache)
+    return out.logits[:, -1]
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes its KV cache by (transformers renamed it)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def no_guards(entries) -> list[bool]:
+    """Keep none of a traced step's guards: like :class:`FastDecoder`'s, a compiled step is keyed
+    by everything it depends on and checked against eager before use (and the guards on the
+    model's config objects cannot be saved)."""
+    return [False] * len(entries)
+
+
+class StaticDecoder:
+    """One sequence's forward passes through ``model``'s own forward with a static cache of
+    :func:`cache_positions` (``max_len``) positions; the interface of :class:`FastDecoder`."""
+
+    step_function = staticmethod(static_step)
+    compile_options = {"guard_filter_fn": no_guards}
+
+    def __init__(self, model: torch.nn.Module, max_len: int):
+        from transformers import StaticCache
+
+        self.model = model
+        self.max_len = cache_positions(max_len)
+        self.layer_count = model.config.get_text_config().num_hidden_layers
+        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        self.cache_arguments = {cache_argument(model): self.cache}
+        self.variant = f"static{self.max_len}"
+        self.position = 0
+        self.compiled = None
+        self.pending = None
+
+    def probe(self) -> "StaticDecoder":
+        """A decoder of its own for checking a step (the same cache length, so the same graph)."""
+        return StaticDecoder(self.model, self.max_len)
+
+    def prepare_tracing(self) -> None:
+        """A cache allocated by a prompt, as every single-token step finds it."""
+        self.reset()
+        self.forward(torch.zeros(1, 2, dtype=torch.long))
+
+    def step_arguments(self, token: torch.Tensor, start: int, for_tracing: bool = False) -> tuple:
+        return self.model, token, torch.tensor([start]), self.cache_arguments
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        self.cache.reset()
+        self.position = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` [1, T]; the last position's logits [1, V]."""
+        start, t = self.position, ids.shape[1]
+        if start + t > self.max_len:
+            raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
+        if t == 1:
+            take_pending_step(self)
+        if t == 1 and start and self.compiled is not None:
+            logits = self.compiled(*self.step_arguments(ids, start))
+        else:
+            out = self.model(input_ids=ids, cache_position=torch.arange(start, start + t), use_cache=True,
+                             logits_to_keep=1, **self.cache_arguments)
+            logits = out.logits[:, -1]
+        self.position = start + t
+        return logits
