@@ -28,7 +28,7 @@ CONFIGS = {
     "llama": {},
     "qwen3": dict(head_dim=32),
     "phi3": {},
-    "gemma3_text": dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(head_dim=32, sliding_window=512, layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                     logits_scaling=8.0),
     "olmo2": {},

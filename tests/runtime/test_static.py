@@ -42,3 +42,20 @@ def test_the_compiled_static_step_decodes_the_eager_tokens(gpt2_int4, tmp_path, 
     monkeypatch.setattr(fastpath, "_steps", {})  # a fresh process: the saved step, not a compile
     monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
     assert fastpath.open_decoder(gpt2_int4, 64).compiled is not None
+
+
+def test_a_sliding_window_model_compiles_while_its_window_holds_the_sequence(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  sliding_window=512, layer_types=["sliding_attention", "full_attention"])
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    model = load_model(quantize_to(tmp_path / "src", tmp_path / "q", group_size=32))
+    monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(fastpath, "_steps", {})
+    compiled = fastpath.open_decoder(model, 64)
+    assert isinstance(compiled, StaticDecoder) and compiled.compiled is not None
+    eager = fastpath.open_decoder(model, 64, compile=False)
+    assert list(fast_greedy(compiled, PROMPT, 24, set())) == list(fast_greedy(eager, PROMPT, 24, set()))

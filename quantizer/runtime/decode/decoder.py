@@ -105,11 +105,29 @@ def mark_exact_norms(layers, norm) -> int:
     return marked
 
 
-def take_pending_step(decoder) -> None:
-    """Before a single-token step: the decoder's pending compiled step, once it is ready."""
-    if decoder.pending is not None:
-        decoder.compiled = decoder.pending.poll() or decoder.compiled
-        decoder.pending = None if decoder.pending.finished else decoder.pending
+class SteppedDecoder:
+    """What both decoders share: ``forward(ids)`` appends ``ids`` [1, T] and returns the last
+    position's logits [1, V], a single token through ``compiled`` (a compiled step of
+    ``step_function``) where there is one, asking ``pending`` for it first; else
+    :meth:`eager_forward`. Subclasses set ``model``, ``max_len``, ``position``, ``compiled``,
+    ``pending`` and ``step_arguments``."""
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start, t = self.position, ids.shape[1]
+        if start + t > self.max_len:
+            raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
+        if t == 1 and self.pending is not None:
+            self.compiled = self.pending.poll() or self.compiled
+            self.pending = None if self.pending.finished else self.pending
+        if t != 1 or not start or self.compiled is None:
+            return self.eager_forward(ids)
+        logits = self.compiled(*self.step_arguments(ids, start))
+        self.position += 1
+        return logits
+
+    def eager_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def attention_inputs(layer, h, cos, sin, rope):
@@ -156,7 +174,7 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
     return head(rms_norm(norm, h))[:, 0]
 
 
-class FastDecoder:
+class FastDecoder(SteppedDecoder):
     """One sequence's forward passes with a KV cache of ``max_len`` positions: the decoder for
     the model types of :func:`unsupported_reason` (see :class:`.static.StaticDecoder` for the rest).
 
@@ -221,17 +239,8 @@ class FastDecoder:
     def reset(self) -> None:
         self.position = 0
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def eager_forward(self, ids: torch.Tensor) -> torch.Tensor:
         start, t = self.position, ids.shape[1]
-        if start + t > self.max_len:
-            raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
-        if t == 1:
-            take_pending_step(self)
-        if t == 1 and start and self.compiled is not None:
-            logits = self.compiled(*self.step_arguments(ids, start))
-            self.position += 1
-            return logits
         h = self.embed(ids).to(torch.bfloat16)
         cos, sin = self.cos[:, start : start + t], self.sin[:, start : start + t]
         end = start + t

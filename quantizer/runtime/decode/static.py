@@ -4,7 +4,8 @@ KV cache, so that one graph of a single-token step can be compiled for it (see
 
 The cache holds a fixed number of positions (a power of two, at least :data:`MIN_POSITIONS`),
 so one compiled step serves every prompt up to that length; its layers (full or sliding
-window, as the config says) are allocated by the first forward, the prompt's.
+window, as the config says) are allocated by the first forward, the prompt's. A compiled step
+over sliding-window layers that the sequence outgrows fails the eager check and is not used.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import inspect
 
 import torch
 
-from ...errors import InputError
-from .decoder import take_pending_step
+from .decoder import SteppedDecoder
 
 MIN_POSITIONS = 256
 
@@ -43,7 +43,21 @@ def no_guards(entries) -> list[bool]:
     return [False] * len(entries)
 
 
-class StaticDecoder:
+def _static_cache(config, positions: int):
+    """transformers' static cache for ``config``. Where every position fits the sliding window,
+    its sliding-window layers are plain static ones (the same attention over those positions):
+    theirs keep the length in a Python int, which a compiled step would freeze at one position."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=positions)
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    if window and positions <= window:
+        cache.layers = [StaticLayer(max_cache_len=positions) if layer.is_sliding else layer for layer in cache.layers]
+    return cache
+
+
+class StaticDecoder(SteppedDecoder):
     """One sequence's forward passes through ``model``'s own forward with a static cache of
     :func:`cache_positions` (``max_len``) positions; the interface of :class:`FastDecoder`."""
 
@@ -51,12 +65,10 @@ class StaticDecoder:
     compile_options = {"guard_filter_fn": no_guards}
 
     def __init__(self, model: torch.nn.Module, max_len: int):
-        from transformers import StaticCache
-
         self.model = model
         self.max_len = cache_positions(max_len)
         self.layer_count = model.config.get_text_config().num_hidden_layers
-        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        self.cache = _static_cache(model.config, self.max_len)
         self.cache_arguments = {cache_argument(model): self.cache}
         self.variant = f"static{self.max_len}"
         self.position = 0
@@ -80,19 +92,9 @@ class StaticDecoder:
         self.cache.reset()
         self.position = 0
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Append ``ids`` [1, T]; the last position's logits [1, V]."""
+    def eager_forward(self, ids: torch.Tensor) -> torch.Tensor:
         start, t = self.position, ids.shape[1]
-        if start + t > self.max_len:
-            raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
-        if t == 1:
-            take_pending_step(self)
-        if t == 1 and start and self.compiled is not None:
-            logits = self.compiled(*self.step_arguments(ids, start))
-        else:
-            out = self.model(input_ids=ids, cache_position=torch.arange(start, start + t), use_cache=True,
-                             logits_to_keep=1, **self.cache_arguments)
-            logits = out.logits[:, -1]
+        out = self.model(input_ids=ids, cache_position=torch.arange(start, start + t), use_cache=True,
+                         logits_to_keep=1, **self.cache_arguments)
         self.position = start + t
-        return logits
+        return out.logits[:, -1]
