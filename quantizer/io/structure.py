@@ -21,8 +21,7 @@ class ModelStructure:
     ``transposed``: the linears whose checkpoint weight is [in, out] (transformers' ``Conv1D``);
     int4q quantizes their transpose, so every quantized weight is [out, in]. ``left_out``: per
     module type whose matrices int4q does not quantize, (type, its first module, module count,
-    parameters), and
-    ``params`` the model's parameter count (a tied table once)."""
+    parameters). ``params``: the model's parameter count (a tied table once)."""
 
     linears: tuple[str, ...]
     embedding: str | None

@@ -106,3 +106,17 @@ def test_generate_and_bench_commands_on_smollm2(smollm2_g64, smollm2_bf16, tmp_p
     assert set(data["arms"]) == {"int4", "baseline"}
     assert data["arms"]["int4"]["tg_median"] > 0 and data["arms"]["baseline"]["pp_median"] > 0
     assert 0 < data["ratios_int4_over_baseline"]["rss_anon_after_load"] < 1
+
+
+def test_every_end_of_sequence_id_of_the_folders_generation_config_stops_generation(tiny_q, byte_tokenizer, tmp_path):
+    from quantizer.runtime.decode.generation import eos_token_ids
+
+    folder = tmp_path / "q"
+    shutil.copytree(tiny_q, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11], "bos_token_id": 1}))
+    assert {7, 11} <= eos_token_ids(load_model(folder), byte_tokenizer)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"eos_token_id": [99]}))
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").symlink_to(outside)
+    assert 99 not in eos_token_ids(load_model(folder), byte_tokenizer)  # never read through a link out of the folder
