@@ -28,10 +28,11 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
     if structure.ok:
         if source is not None:
             say("round trip against the source ...")
-            round_trip, stats = check_round_trip(info, source)
+            source_structure = _source_structure(source)
+            round_trip, stats = check_round_trip(info, source, source_structure)
             checks.append(round_trip)
             _tensor_numbers(stats, report, numbers)
-            _left_out_numbers(source, numbers)
+            _left_out_numbers(source_structure, numbers)
         say("kernel layout ...")
         checks.append(check_kernel_layout(info))
         if source is not None and all(c.ok for c in checks):
@@ -49,7 +50,6 @@ def run_verify_gguf(path: Path, source: Path | None, text: Path | None, ctx: int
     from ..errors import Int4qError
     from ..formats.gguf.assemble import converted_source
     from ..io.checkpoint import read_config
-    from ..io.structure import inspect_structure
     from .gguf import check_round_trip as gguf_round_trip
     from .gguf import check_structure as gguf_structure
     from .gguf import load_dequantized, read_gguf
@@ -66,12 +66,13 @@ def run_verify_gguf(path: Path, source: Path | None, text: Path | None, ctx: int
     config = read_config(source)
     say("running llama.cpp's converter over the source ...")
     expected, kv = converted_source(source, config)
-    checks.append(gguf_structure(reader, expected, kv, inspect_structure(config).tied))
+    source_structure = _source_structure(source)
+    checks.append(gguf_structure(reader, expected, kv, source_structure.tied))
     say("round trip against the source ...")
     round_trip, stats = gguf_round_trip(reader, expected, qconfig, expected.get("token_embd.weight"))
     checks.append(round_trip)
     _tensor_numbers(stats, report, numbers)
-    _left_out_numbers(source, numbers)
+    _left_out_numbers(source_structure, numbers)
     if all(c.ok for c in checks):
         checks.append(_end_to_end(path, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers,
                                   say, step or (lambda *a: None), lambda: load_dequantized(path)))
@@ -88,12 +89,17 @@ def _tensor_numbers(stats, report: dict, numbers: list[str]) -> None:
                        f"max abs error {max(s.max_abs_err for s in stats):.4g}")
 
 
-def _left_out_numbers(source: Path, numbers: list[str]) -> None:
-    """The line naming the module types int4q left in bf16, where the source has any."""
+def _source_structure(source: Path):
+    """The source checkpoint's module tree (:class:`~quantizer.io.structure.ModelStructure`)."""
     from ..io.checkpoint import read_config
     from ..io.structure import inspect_structure
 
-    note = inspect_structure(read_config(source)).left_out_note()
+    return inspect_structure(read_config(source))
+
+
+def _left_out_numbers(structure, numbers: list[str]) -> None:
+    """The line naming the module types int4q left in bf16, where the source has any."""
+    note = structure.left_out_note()
     if note:
         numbers.append(note)
 

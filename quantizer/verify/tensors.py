@@ -11,7 +11,7 @@ import torch
 from ..errors import Int4qError
 from ..formats.packing import scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
 from ..io.checkpoint import CheckpointReader, read_config
-from ..io.structure import inspect_structure, tie_word_embeddings
+from ..io.structure import ModelStructure, tie_word_embeddings
 from ..methods.error_stats import ErrorStats
 from ..methods.grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, dequantize_codes
 from ..runtime.native.dequant import dequantize_int4pack
@@ -43,20 +43,20 @@ class TensorStats:
     max_excess: float  # largest error beyond the nearest grid point (0 for round-to-nearest)
 
 
-def check_round_trip(info: StructureInfo, source_dir: Path) -> tuple[CheckResult, list[TensorStats]]:
+def check_round_trip(info: StructureInfo, source_dir: Path,
+                     structure: ModelStructure) -> tuple[CheckResult, list[TensorStats]]:
     """Copied tensors bit-identical to the source; quantized ones within their grid bound.
 
     Round-to-nearest (plain or weighted) must land every element on the nearest point of its
     group's grid (so the error is at most half a step inside the grid's range); GPTQ chooses codes
     with error feedback, so for its 4-bit modules only the statistics are reported. Min/max grids
     must cover their group's range; searched grids (weighted) may clip it. 8-bit modules are
-    always round-to-nearest on a covering grid.
+    always round-to-nearest on a covering grid. ``structure`` is the source's.
     """
     result, stats = CheckResult("round trip"), []
     source = CheckpointReader(source_dir)
     _check_copied(info.reader, set(info.quantized), source, source_dir, result)
     src_config = read_config(source_dir)
-    structure = inspect_structure(src_config)
     for module in sorted(info.quantized):
         src_name = f"{module}.weight"
         if src_name not in source.infos and tie_word_embeddings(src_config) and module == structure.head:

@@ -100,3 +100,15 @@ def test_a_step_that_does_not_compile_is_not_compiled_again_by_later_runs(model,
     decoder = fastpath.open_decoder(model, 64, source=tiny_model)
     assert decoder.compiled is None and decoder.pending is None
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
+
+
+def test_int4q_compile_of_a_step_that_does_not_compile_is_one_line_naming_the_marker(model, tiny_model,
+                                                                                   monkeypatch):
+    def broken(decoder):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fastpath, "artifact_path", lambda m, variant="": fastpath.compiled_dir() / "cli-broken.aot")
+    monkeypatch.setattr(fastpath, "_aot_compile", broken)
+    result = CliRunner().invoke(main, ["compile", str(tiny_model)])
+    assert result.exit_code != 0 and "Traceback" not in result.output and "internal error" not in result.output
+    assert "does not compile" in result.output and "cli-broken.failed" in result.output

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ...errors import InputError
+from ...errors import InputError, UnsupportedError
 from ..cache import UntrustedCache, digest_path, matches_digest
 from . import compiled as steps
 
@@ -77,7 +77,8 @@ def exclusive(artifact: Path):
 def compile_and_save(model_dir: Path, threads: int, max_len: int) -> tuple[Path, str]:
     """Compile and save the decode step of the checkpoint ``model_dir`` at ``threads`` threads
     for sequences of up to ``max_len`` tokens. Returns (the artifact, what happened: "compiled",
-    "already saved" or "being compiled"); InputError for a model that decodes through generate."""
+    "already saved" or "being compiled"); InputError for a model that decodes through generate,
+    UnsupportedError for a step that does not compile."""
     from ..loader import load_model
 
     model = load_model(model_dir, threads=threads)
@@ -93,7 +94,9 @@ def compile_and_save(model_dir: Path, threads: int, max_len: int) -> tuple[Path,
         started = time.perf_counter()
         steps.compile_step(decoder, artifact)
         if decoder.compiled is None:
-            raise RuntimeError("the decode step did not compile (see the warning above)")
+            raise UnsupportedError(f"{model_dir}: its decode step does not compile here (the warning above says why); "
+                                   f"it decodes eagerly, and runs with the same key will not try again "
+                                   f"(delete {steps.failed_marker(artifact)} to retry)")
         _record_compile_seconds(time.perf_counter() - started, decoder.layer_count)
     return artifact, "compiled"
 

@@ -34,7 +34,7 @@ from ..cache import (
 )
 from ..native.gemv import has_gemv
 from ..nn.int4 import Int4Linear
-from .decoder import FastDecoder, unsupported_reason
+from .decoder import MIN_CACHE, FastDecoder, unsupported_reason
 from .static import StaticDecoder
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ INDUCTOR_OPTIONS = {
     # a small model's decode step is made of.
     "cpp_wrapper": True,
 }
-MIN_CACHE = 4
-"""Positions every decoder's cache has at least: the eager check runs a 3-token prompt and a step."""
 
 _warned: set[str] = set()
 _steps: dict[Path, object] = {}  # checked compiled steps by artifact, shared by decoders of one model

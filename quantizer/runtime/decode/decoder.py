@@ -23,6 +23,9 @@ from ..native.dequant import shared_weight_buffer
 from ..native.gemv import has_gemv
 from ..nn.fusion import Int4Slice
 
+MIN_CACHE = 4
+"""Positions every decoder's cache has at least: the eager check runs a 3-token prompt and a step."""
+
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder stack is exactly: embed, layers of the shape below, norm, head."""
 
@@ -227,7 +230,7 @@ class FastDecoder(SteppedDecoder):
 
     def probe(self) -> "FastDecoder":
         """A decoder of its own for checking a step (every cache length shares the graph)."""
-        return FastDecoder(self.model, 4)
+        return FastDecoder(self.model, MIN_CACHE)
 
     def prepare_tracing(self) -> None:
         """The norms marked (see :func:`mark_exact_norms`) and a cache longer than one position,
