@@ -1,4 +1,5 @@
-"""This process's memory: resident-set figures from /proc and handing freed heap back to the OS."""
+"""This process's memory: resident-set figures from /proc, the memory the machine has free, and
+handing freed heap back to the OS."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def peak_rss_mb() -> float:
     VmHWM, not ru_maxrss: the latter survives exec and so counts a large parent's pages that a
     forked child briefly shared."""
     return proc_status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def available_memory_bytes() -> int:
+    """The machine's MemAvailable from /proc/meminfo, in bytes; 0 where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

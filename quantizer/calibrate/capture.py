@@ -9,6 +9,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..io.structure import linear_dims
+from .output_cache import OutputCache
 
 
 class Accumulator(Protocol):
@@ -98,9 +99,9 @@ def linear_steps(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: 
     return steps
 
 
-def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int) -> None:
-    """Call ``run_window(s)`` for each window s, giving ``target``'s input to ``acc`` and
-    stopping each forward as soon as it has."""
+def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int, cache: OutputCache | None = None) -> None:
+    """Call ``run_window(s)`` for each window s (``cache`` told which), giving ``target``'s input
+    to ``acc`` and stopping each forward as soon as it has."""
 
     def hook(module, args):
         acc.add(args[0])
@@ -110,6 +111,8 @@ def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int) -> N
     try:
         with torch.inference_mode():
             for s in range(count):
+                if cache is not None:
+                    cache.window = s
                 try:
                     run_window(s)
                 except _Stop:
@@ -118,12 +121,13 @@ def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int) -> N
         handle.remove()
 
 
-def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method, device: str = "cpu") -> Accumulator:
+def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method, device: str = "cpu",
+               cache: OutputCache | None = None) -> Accumulator:
     """``method``'s statistic of the step's shared input over every window (``hidden`` on the
-    CPU, the layer on ``device``)."""
+    CPU, the layer on ``device``; ``cache``: the layer's finished linears' outputs)."""
     first = layer.get_submodule(step[0])
     acc = method.accumulator(linear_dims(first)[1], device)
-    feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0])
+    feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0], cache)
     return acc
 
 

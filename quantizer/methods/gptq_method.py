@@ -52,7 +52,7 @@ class GptqMethod:
         o, H = self.settings, stats.H
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
                                  damp=o.damp, block_size=o.block_size, storage=self.storage,
-                                 weighted_grids=o.weighted_grids)
+                                 weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
         err, gptq_loss, rtn_loss = ErrorStats(), 0.0, 0.0
         for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head
             rows = slice(start, start + ROW_CHUNK)

@@ -32,6 +32,7 @@ import torch
 from ..calibrate import capture
 from ..calibrate import state as calib_state
 from ..calibrate.capture import Accumulator
+from ..calibrate.output_cache import OutputCache, output_cache_budget
 from ..calibrate.ranks import SINGLE, Ranks
 from ..errors import InputError
 from ..io.checkpoint import CheckpointReader
@@ -117,8 +118,11 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"
         _materialize(layers[i], prefix, plan.reader, device=ranks.device)
-        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks)
-        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device)
+        cache = OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
+                            output_cache_budget(hidden))
+        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache)
+        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device, cache)
+        cache.close()
         for name in plan.reader.infos if ranks.is_main else ():
             if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
                 out_tensors[name] = plan.reader.get(name)
@@ -186,14 +190,14 @@ def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[
 
 
 def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict,
-                    ranks: Ranks = SINGLE) -> dict[str, torch.Tensor]:
+                    ranks: Ranks = SINGLE, cache: OutputCache | None = None) -> dict[str, torch.Tensor]:
     """Quantize the layer's target linears step by step, leaving their dequantized weights in
     place for the later steps; returns their checkpoint tensors (on rank 0). The ranks sum each
     step's statistic, split its linears between them, and share the solved weights."""
-    wanted = {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
+    wanted = _layer_targets(plan, prefix)
     out_tensors: dict[str, torch.Tensor] = {}
     for step in capture.linear_steps(layer, hidden[:1].to(ranks.device), kwargs, wanted):
-        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device)
+        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device, cache)
         if ranks.distributed:
             acc.merge(ranks.sum_)
         linears = [layer.get_submodule(name) for name in step]
@@ -210,15 +214,25 @@ def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor
             if ranks.is_main:
                 out_tensors.update(_record(plan, module, w.shape, q, stats, per_tensor))
             linear.weight.data = plan.linear_weight(module, q.dequantize())  # a transpose is its own inverse
+        if cache is not None:
+            cache.finish(step)
     return out_tensors
 
 
-def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu") -> tuple[torch.Tensor, bool]:
+def _layer_targets(plan: QuantizationPlan, prefix: str) -> set[str]:
+    """The names, inside the layer at ``prefix``, of the linears the plan quantizes."""
+    return {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
+
+
+def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu",
+                  cache: OutputCache | None = None) -> tuple[torch.Tensor, bool]:
     """The (quantized) layer's outputs for every window (kept on the CPU), and whether the layer returns a tuple."""
     hidden_out = torch.empty_like(hidden)
     as_tuple = False
     with torch.inference_mode():
         for s in range(hidden.shape[0]):
+            if cache is not None:
+                cache.window = s
             out = layer(hidden[s:s + 1].to(device), **kwargs)
             as_tuple = isinstance(out, tuple)
             hidden_out[s:s + 1] = capture.hidden_of(out)

@@ -2,9 +2,14 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from quantizer.methods import gptq
 from quantizer.methods.gptq import HessianAccumulator, gptq_quantize, proxy_loss
 from quantizer.methods.grid import grid_params, quantize_groupwise
+
+from gptq_reference import reference_gptq, reference_inverse_cholesky
 
 
 def correlated_inputs(k, rows=2048, seed=0):
@@ -91,3 +96,57 @@ def test_row_chunks_give_the_same_result(monkeypatch):
     monkeypatch.setattr(gptq, "ROW_CHUNK", 16)
     chunked, _ = gptq_quantize(W, acc.H, 32)
     assert torch.equal(whole.codes, chunked.codes) and torch.equal(whole.scale, chunked.scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(2, 700), seed=st.integers(0, 2**16), damp=st.sampled_from([0.01, 0.1]))
+def test_reversed_cholesky_factor_equals_cholesky_inverse_cholesky(k, seed, damp):
+    x = correlated_inputs(k, rows=k + 8, seed=seed).double().float()
+    H = 2 / x.shape[0] * x.t() @ x
+    fast = gptq.factorize(H, damp, act_order=False).U
+    ref = reference_inverse_cholesky(H, damp)
+    assert torch.allclose(fast, ref, rtol=1e-3, atol=1e-4 * ref.abs().max().item())
+    assert torch.equal(fast, fast.triu())
+
+
+def test_triangular_inverse_by_halves_is_the_inverse():
+    g = torch.Generator().manual_seed(7)
+    L = torch.randn(1300, 1300, generator=g, dtype=torch.float64).tril() * 0.02 + torch.eye(1300, dtype=torch.float64)
+    inv = gptq.lower_triangular_inverse(L, leaf=128)
+    assert torch.equal(inv, inv.tril())
+    assert torch.allclose(inv @ L, torch.eye(1300, dtype=torch.float64), atol=1e-10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 6), group=st.sampled_from([16, 32]),
+       act_order=st.booleans(), symmetric=st.booleans(), weighted=st.booleans(), block=st.sampled_from([8, 128]),
+       seed=st.integers(0, 2**16))
+def test_fast_column_loop_gives_the_reference_loops_codes(rows, groups, group, act_order, symmetric, weighted, block,
+                                                          seed):
+    k = groups * group
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(rows, k, generator=gen) * 0.05
+    W[0, :group] = 0.01  # a flat group: scale 0
+    x = correlated_inputs(k, rows=4 * k, seed=seed)
+    H = 2 / x.shape[0] * x.t() @ x
+    factor = gptq.factorize(H, 0.01, act_order)
+    gq, _ = gptq.gptq_quantize(W, H, group, symmetric=symmetric, act_order=act_order, block_size=block,
+                               weighted_grids=weighted, factor=factor)
+    weights = torch.diag(H) if weighted else None
+    codes, scale, zero = reference_gptq(W, factor.U, factor.perm, group, symmetric, act_order, block, weights)
+    assert torch.equal(gq.codes, codes) and torch.equal(gq.scale, scale) and torch.equal(gq.zero, zero)
+
+
+def test_linears_on_one_input_share_one_factorisation(monkeypatch):
+    calls = []
+    real = gptq.factorize
+    monkeypatch.setattr(gptq, "factorize", lambda *a: calls.append(a) or real(*a))
+    acc = HessianAccumulator(64)
+    acc.add(correlated_inputs(64))
+    for seed in range(3):
+        W = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+        gptq_quantize(W, acc.H, 32, factor=acc.factor(0.01, True))
+    assert len(calls) == 1
+    acc.add(correlated_inputs(64, seed=1))
+    acc.factor(0.01, True)
+    assert len(calls) == 2

@@ -34,8 +34,8 @@ def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, 
     streamed_h = {}
     real_accumulate, real_head = capture.accumulate, capture.head_statistic
 
-    def record(layer, step, hidden, kwargs, method, device="cpu"):
-        acc = real_accumulate(layer, step, hidden, kwargs, method, device)
+    def record(layer, step, hidden, kwargs, method, *rest):
+        acc = real_accumulate(layer, step, hidden, kwargs, method, *rest)
         streamed_h[f"model.layers.{len([k for k in streamed_h if k.endswith(step[0])])}.{step[0]}"] = acc.H
         return acc
 

@@ -1,0 +1,111 @@
+"""A layer's finished parts answered from memory: once a step's linears are quantized, their
+outputs, and those of every module all of whose linears are quantized (the attention once its
+output projection is), no longer change. The first pass over the windows after that keeps them,
+and every later pass (the next steps' captures, the replay of the layer) reads them instead of
+computing them again. What does not fit the budget is computed each time, as without the cache;
+the values are the same either way."""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory import available_memory_bytes
+
+CACHE_TO_INPUT = 8
+"""The cache holds at most this many times the bytes of the layer's input activations (a Llama
+layer's q, k, v, o, gate and up outputs at a hidden-to-intermediate ratio of 3/8)."""
+
+
+def output_cache_budget(hidden: torch.Tensor) -> int:
+    """Bytes the cache of one layer may hold, for input activations ``hidden`` [S, T, H]:
+    :data:`CACHE_TO_INPUT` times theirs (as fp32), and no more than half the memory available now."""
+    return min(CACHE_TO_INPUT * hidden.numel() * 4, available_memory_bytes() // 2)
+
+
+class OutputCache:
+    """Outputs of ``layer``'s finished modules for each of ``windows`` windows of ``tokens``
+    tokens, at most ``budget_bytes`` in all (on the CPU). ``linears``: the names of the layer's
+    linears that will be quantized; every other module of the layer counts as finished from the
+    start. The driver sets :attr:`window` to the window each forward runs."""
+
+    def __init__(self, layer: torch.nn.Module, linears: set[str], windows: int, tokens: int, budget_bytes: int):
+        self.layer, self.windows, self.tokens, self.budget = layer, windows, tokens, budget_bytes
+        self.window = 0
+        self._pending = set(linears)
+        self._outputs: dict[str, list] = {}  # module -> its output per window (None: not kept)
+        self.used_bytes = 0
+
+    def finish(self, names: list[str]) -> None:
+        """The linears ``names`` are quantized: keep their outputs, and those of every module of
+        the layer that has no linear left to quantize, as far as the budget allows."""
+        self._pending -= set(names)
+        self._drop_inside_complete()
+        if not self._pending:
+            return  # what remains is the replay, the last pass
+        for name, module in self.layer.named_modules():
+            if name and name not in self._outputs and self._is_finished(name) and self._holds_a_finished(name, names):
+                self._outputs[name] = [None] * self.windows
+                module.forward = self._answering(name, module.forward)
+
+    def close(self) -> None:
+        """Give the modules their own forward back and drop the outputs."""
+        for name in list(self._outputs):
+            self._drop(name)
+
+    def _is_finished(self, name: str) -> bool:
+        return not any(p == name or p.startswith(name + ".") for p in self._pending)
+
+    @staticmethod
+    def _holds_a_finished(name: str, names: list[str]) -> bool:
+        return any(n == name or n.startswith(name + ".") for n in names)
+
+    def _drop_inside_complete(self) -> None:
+        """Modules inside one whose outputs are kept for every window are no longer called."""
+        complete = [n for n, outs in self._outputs.items() if all(o is not None for o in outs)]
+        for name in list(self._outputs):
+            if any(name.startswith(c + ".") for c in complete):
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        del self.layer.get_submodule(name).forward
+        self.used_bytes -= sum(_nbytes(o) for o in self._outputs.pop(name) if o is not None)
+
+    def _answering(self, name: str, compute):
+        def forward(*args, **kwargs):
+            outs, s = self._outputs[name], self.window
+            first = _one_window(args, kwargs, self.tokens)
+            if outs[s] is not None and first is not None:
+                return _copy(outs[s], first.device)
+            y = compute(*args, **kwargs)
+            if first is not None and _storable(y):
+                size = _nbytes(y)
+                if self.used_bytes + size <= self.budget:
+                    outs[s] = _copy(y, "cpu")
+                    self.used_bytes += size
+            return y
+        return forward
+
+
+def _one_window(args, kwargs, tokens: int) -> torch.Tensor | None:
+    """The call's first tensor input where it is one window, [1, tokens, ...]; else None."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first if first is not None and first.dim() >= 2 and tuple(first.shape[:2]) == (1, tokens) else None
+
+
+def _storable(y) -> bool:
+    """A tensor, or a tuple of tensors and Nones (an attention module's output and weights)."""
+    if isinstance(y, torch.Tensor):
+        return True
+    return isinstance(y, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in y)
+
+
+def _nbytes(y) -> int:
+    parts = y if isinstance(y, tuple) else (y,)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _copy(y, device):
+    """A copy of an output on ``device`` (a caller may change its result in place)."""
+    if isinstance(y, tuple):
+        return tuple(None if t is None else _copy(t, device) for t in y)
+    return y.to(device, copy=True)

@@ -1,0 +1,203 @@
+"""GPTQ's time per phase, against the machine's GEMM rate measured in the same process.
+
+    .venv/bin/python scripts/bench_gptq.py --model models/smollm2-135m-bf16 [--nsamples 128 --seqlen 512]
+        [--group-size 64] [--threads 2] [--verify] [--json out.json]
+
+Runs one `int4q quantize --method gptq` in this process with each phase timed (the core is
+wrapped from outside, not changed) and prints, per phase, the wall time, the floating-point
+operations counted by formula and the achieved rate as a fraction of an fp32 GEMM (and a bf16
+one) timed here on the same threads, before and after the run:
+
+- forward: the calibration passes through the layers (each ``nn.Linear`` product computed,
+  2·rows·in·out; attention and norms are not counted, so this rate is a lower bound);
+- hessian: the statistic's updates, 2·n·K² per batch of n rows as a GEMM would do them;
+- factorisation: the upper Cholesky factor of H⁻¹, counted as K³ per solve (a Cholesky and a
+  triangular inverse are K³/3 each; the rest of the work is counted as a third K³/3);
+- column loop: the lazy-block updates, N·K² per solve (plus N·K·block inside the blocks);
+- report: the objective of GPTQ and of round-to-nearest per linear (2·2·N·K²);
+- io: reading the layers' weights, saving each finished layer, writing the output.
+
+Also the calibration objective Σ tr((W−Q)H(W−Q)ᵀ) over the linears (with round-to-nearest's
+beside it), the seconds end to end, the peak RSS, and with ``--verify`` verify's KLD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from quantizer.calibrate import capture  # noqa: E402
+from quantizer.calibrate import state as calib_state  # noqa: E402
+from quantizer.calibrate.windows import CalibrationSettings  # noqa: E402
+from quantizer.memory import peak_rss_mb  # noqa: E402
+from quantizer.methods import gptq, gptq_method  # noqa: E402
+from quantizer.quantize import layerwise  # noqa: E402
+from quantizer.quantize.planning import QuantizeOptions  # noqa: E402
+from quantizer.quantize.request import QuantizeRequest  # noqa: E402
+from quantizer.quantize.run import quantize_checkpoint  # noqa: E402
+
+PHASES = ("forward", "hessian", "factorisation", "column loop", "report", "io")
+
+
+class Clock:
+    """Seconds and counted operations per phase; nested phases are subtracted from their parent."""
+
+    def __init__(self):
+        self.seconds, self.flops, self.stack = defaultdict(float), defaultdict(float), []
+
+    def timed(self, phase: str, fn, flops=None):
+        def wrapper(*args, **kwargs):
+            self.stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                inner = self.stack.pop()
+                self.seconds[phase] += elapsed - inner
+                if self.stack:
+                    self.stack[-1] += elapsed
+                if flops is not None:
+                    self.flops[phase] += flops(*args, **kwargs)
+        return wrapper
+
+
+def _hessian_flops(acc, x):
+    return 2.0 * (x.numel() // x.shape[-1]) * x.shape[-1] ** 2
+
+
+def _factor_flops(H, *args, **kwargs):
+    return float(H.shape[0]) ** 3
+
+
+def _loop_flops(W, factor, group_size, symmetric, act_order, block_size, *args, **kwargs):
+    n, k = W.shape
+    return float(n) * k * k + float(n) * k * block_size
+
+
+def _report_flops(W, Q, H):
+    return 2.0 * W.shape[0] * H.shape[0] ** 2
+
+
+def instrument(clock: Clock) -> None:
+    """Wrap the core's phase functions (module attributes, looked up at call time) and count the
+    products of every ``nn.Linear`` computed."""
+    capture.capture_inputs = clock.timed("forward", capture.capture_inputs)
+    capture.accumulate = clock.timed("forward", capture.accumulate)
+    capture.head_statistic = clock.timed("forward", capture.head_statistic)
+    layerwise._replay_layer = clock.timed("forward", layerwise._replay_layer)
+    gptq.HessianAccumulator.add = clock.timed("hessian", gptq.HessianAccumulator.add, _hessian_flops)
+    gptq._inverse_cholesky = clock.timed("factorisation", gptq._inverse_cholesky, _factor_flops)
+    gptq._solve_rows = clock.timed("column loop", gptq._solve_rows, _loop_flops)
+    gptq_method.proxy_loss = clock.timed("report", gptq_method.proxy_loss, _report_flops)
+    gptq_method.quantize_groupwise = clock.timed("report", gptq_method.quantize_groupwise)
+    layerwise._materialize = clock.timed("io", layerwise._materialize)
+    calib_state.save_layer = clock.timed("io", calib_state.save_layer)
+    layerwise._write_output = clock.timed("io", layerwise._write_output)
+
+    real = torch.nn.Linear.forward
+
+    def counted(module, x):  # class-level, so outputs answered from a cache are not counted
+        clock.flops["forward"] += 2.0 * (x.numel() // module.in_features) * module.in_features * module.out_features
+        return real(module, x)
+
+    torch.nn.Linear.forward = counted
+
+
+def gemm_rates(k: int, rows: int = 4096, reps: int = 5) -> dict[str, float]:
+    """GFLOP/s of the Hessian's own GEMM shape, xᵀx for x [rows, k], in fp32 and bf16."""
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x.t() @ x
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            x.t() @ x
+            times.append(time.perf_counter() - start)
+        rates[name] = 2.0 * rows * k * k / statistics.median(times) / 1e9
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "smollm2-135m-bf16")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--group-size", type=int, help="default: int4q quantize's")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, help="keep the output here (default: a temporary folder)")
+    ap.add_argument("--verify", action="store_true", help="also run verify's KLD on the output")
+    ap.add_argument("--json", type=Path, help="write the numbers here too")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    config = json.loads((args.model / "config.json").read_text())
+    k = config["hidden_size"]
+    before = gemm_rates(k)
+    clock = Clock()
+    instrument(clock)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp) / "q"
+        request = QuantizeRequest(str(args.model), out, QuantizeOptions(method="gptq", group_size=args.group_size),
+                                  overwrite=True, windows=CalibrationSettings(args.nsamples, args.seqlen, 0))
+        start = time.perf_counter()
+        report = quantize_checkpoint(request)
+        total = time.perf_counter() - start
+        counted = dict(clock.flops)
+        kld = _verify(out, args.model) if args.verify else None
+    after = gemm_rates(k)
+    gemm = {name: statistics.mean((before[name], after[name])) for name in before}
+    losses = [(e.get("gptq_loss"), e.get("rtn_loss")) for e in report.tensors.values() if "gptq_loss" in e]
+    result = {"model": str(args.model), "nsamples": args.nsamples, "seqlen": args.seqlen,
+              "group_size": args.group_size, "threads": args.threads, "seconds": round(total, 1),
+              "peak_rss_mb": round(peak_rss_mb()), "gemm_gflops": {n: round(r, 1) for n, r in gemm.items()},
+              "objective": sum(g for g, _ in losses), "objective_rtn": sum(r for _, r in losses), "kld": kld,
+              "phases": {p: {"seconds": round(clock.seconds[p], 2), "gflop": round(counted.get(p, 0) / 1e9, 1)}
+                         for p in PHASES}}
+    _print(result, total)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def _verify(out: Path, model: Path) -> float:
+    from quantizer.verify.run import run_verify
+
+    report = run_verify(out, model, None, 512, 16, 0, None, lambda m: None)
+    return report["fidelity"]["kld_mean"]
+
+
+def _print(result: dict, total: float) -> None:
+    gemm = result["gemm_gflops"]
+    print(f"{result['model']}: {result['nsamples']} x {result['seqlen']} tokens, group {result['group_size']}, "
+          f"{result['threads']} threads: {total:.1f} s, peak RSS {result['peak_rss_mb']} MiB")
+    print(f"GEMM here (xᵀx, K = hidden): fp32 {gemm['fp32']:.0f} GFLOP/s, bf16 {gemm['bf16']:.0f} GFLOP/s")
+    print(f"{'phase':<14}{'seconds':>9}{'share':>8}{'GFLOP':>10}{'GFLOP/s':>9}{'of fp32':>9}")
+    counted = 0.0
+    for phase, p in result["phases"].items():
+        counted += p["seconds"]
+        rate = p["gflop"] / p["seconds"] if p["seconds"] and p["gflop"] else None
+        print(f"{phase:<14}{p['seconds']:>9.1f}{100 * p['seconds'] / total:>7.0f}%{p['gflop']:>10.0f}"
+              + (f"{rate:>9.0f}{100 * rate / gemm['fp32']:>8.0f}%" if rate else ""))
+    print(f"{'other':<14}{total - counted:>9.1f}{100 * (total - counted) / total:>7.0f}%")
+    math_phases = [result["phases"][p] for p in ("hessian", "factorisation", "column loop")]
+    flops, seconds = sum(p["gflop"] for p in math_phases), sum(p["seconds"] for p in math_phases)
+    if seconds:
+        print(f"hessian + factorisation + column loop: {flops / seconds:.0f} GFLOP/s, "
+              f"{100 * flops / seconds / gemm['fp32']:.0f}% of the fp32 GEMM")
+    print(f"objective Σ tr((W−Q)H(W−Q)ᵀ): GPTQ {result['objective']:.6g}, round-to-nearest "
+          f"{result['objective_rtn']:.6g}" + (f"; verify KLD {result['kld']:.5f}" if result["kld"] is not None else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A layer's finished linears are answered from memory in the later passes over the windows,
+with the very values they would have computed."""
+
+import torch
+
+import quantizer.calibrate.output_cache as output_cache
+import quantizer.quantize.layerwise as layerwise
+from quantizer.calibrate.windows import CalibrationSettings
+from quantizer.io.checkpoint import CheckpointReader
+from quantizer.io.text import builtin_text
+from quantizer.quantize.calibrated import run_calibrated
+from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+
+
+def gptq_run(src, out, tokenizer):
+    out.mkdir()
+    plan = plan_quantization(src, QuantizeOptions(group_size=64, untie_head=True, method="gptq"))
+    run_calibrated(plan, out, tokenizer, builtin_text("calib"), "calib", CalibrationSettings(4, 64, 0))
+    reader = CheckpointReader(out)
+    return {name: reader.get(name) for name in reader.infos}
+
+
+def counting_linear_products(monkeypatch) -> list:
+    calls = []
+    real = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(1) or real(self, x))
+    return calls
+
+
+def test_cached_outputs_give_the_same_checkpoint_with_fewer_products(tiny_model_tok, byte_tokenizer, tmp_path,
+                                                                      monkeypatch):
+    computed = counting_linear_products(monkeypatch)
+    cached = gptq_run(tiny_model_tok, tmp_path / "cached", byte_tokenizer)
+    with_cache = len(computed)
+    monkeypatch.setattr(layerwise, "output_cache_budget", lambda hidden: 0)
+    computed.clear()
+    uncached = gptq_run(tiny_model_tok, tmp_path / "uncached", byte_tokenizer)
+    assert cached.keys() == uncached.keys()
+    assert all(torch.equal(cached[name], uncached[name]) for name in cached)
+    assert with_cache < 0.7 * len(computed)
+
+
+def test_a_module_whose_outputs_do_not_fit_is_computed_each_time():
+    layer = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 8), "b": torch.nn.Linear(4, 64), "c": torch.nn.Linear(4, 4)})
+    cache = output_cache.OutputCache(layer, {"a", "b", "c"}, windows=2, tokens=3, budget_bytes=4 * 2 * 3 * 8)
+    cache.finish(["a", "b"])
+    x, zeros = torch.randn(1, 3, 4), torch.zeros(1, 3, 4)
+    first = layer["a"](x)
+    assert torch.equal(layer["a"](zeros), first)  # window 0 answered from memory
+    cache.window = 1
+    computed = layer["a"](zeros)
+    assert not torch.equal(computed, first) and torch.equal(layer["a"](x), computed)
+    assert not torch.equal(layer["b"](zeros), layer["b"](x))  # 4 * 3 * 64 bytes a window: over the budget
+    cache.close()
+    assert not any("forward" in vars(m) for m in layer.values())
+
+
+def test_a_module_with_every_linear_finished_is_answered_and_its_linears_let_go():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x, scale=1.0):
+            self.calls += 1
+            return self.o(torch.softmax(self.q(x) * scale, -1)), None
+
+    layer = torch.nn.ModuleDict({"attn": Attention(), "mlp": torch.nn.Linear(4, 4)})
+    cache = output_cache.OutputCache(layer, {"attn.q", "attn.o", "mlp"}, windows=1, tokens=3, budget_bytes=10**6)
+    x = torch.randn(1, 3, 4)
+    cache.finish(["attn.q"])
+    assert "forward" not in vars(layer["attn"])  # its o is still to be quantized
+    cache.finish(["attn.o"])
+    out, weights = layer["attn"](x, scale=2.0)
+    again, _ = layer["attn"](torch.zeros(1, 3, 4))
+    assert torch.equal(again, out) and weights is None and layer["attn"].calls == 1
+    cache.finish(["mlp"])
+    assert "forward" in vars(layer["attn"]) and "forward" not in vars(layer["attn"].q)
+
+
+def test_the_budget_is_a_multiple_of_the_inputs_and_at_most_half_the_free_memory(monkeypatch):
+    hidden = torch.empty(2, 8, 16)
+    monkeypatch.setattr(output_cache, "available_memory_bytes", lambda: 10**12)
+    assert output_cache.output_cache_budget(hidden) == output_cache.CACHE_TO_INPUT * hidden.numel() * 4
+    monkeypatch.setattr(output_cache, "available_memory_bytes", lambda: 1000)
+    assert output_cache.output_cache_budget(hidden) == 500
