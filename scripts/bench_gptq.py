@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--group-size", type=int, help="default: int4q quantize's")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="--calib-precision")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="keep the output here (default: a temporary folder)")
     ap.add_argument("--verify", action="store_true", help="also run verify's KLD on the output")
@@ -150,7 +151,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "q"
         request = QuantizeRequest(str(args.model), out, QuantizeOptions(method="gptq", group_size=args.group_size),
-                                  overwrite=True, windows=CalibrationSettings(args.nsamples, args.seqlen, 0))
+                                  overwrite=True, windows=CalibrationSettings(args.nsamples, args.seqlen, 0, args.precision))
         start = time.perf_counter()
         report = quantize_checkpoint(request)
         total = time.perf_counter() - start
@@ -159,7 +160,7 @@ def main() -> None:
     after = gemm_rates(k)
     gemm = {name: statistics.mean((before[name], after[name])) for name in before}
     losses = [(e.get("gptq_loss"), e.get("rtn_loss")) for e in report.tensors.values() if "gptq_loss" in e]
-    result = {"model": str(args.model), "nsamples": args.nsamples, "seqlen": args.seqlen,
+    result = {"model": str(args.model), "nsamples": args.nsamples, "seqlen": args.seqlen, "precision": args.precision,
               "group_size": args.group_size, "threads": args.threads, "seconds": round(total, 1),
               "peak_rss_mb": round(peak_rss_mb()), "gemm_gflops": {n: round(r, 1) for n, r in gemm.items()},
               "objective": sum(g for g, _ in losses), "objective_rtn": sum(r for _, r in losses), "kld": kld,
@@ -179,7 +180,8 @@ def _verify(out: Path, model: Path) -> float:
 
 def _print(result: dict, total: float) -> None:
     gemm = result["gemm_gflops"]
-    print(f"{result['model']}: {result['nsamples']} x {result['seqlen']} tokens, group {result['group_size']}, "
+    print(f"{result['model']}: {result['nsamples']} x {result['seqlen']} tokens in {result['precision']}, "
+          f"group {result['group_size']}, "
           f"{result['threads']} threads: {total:.1f} s, peak RSS {result['peak_rss_mb']} MiB")
     print(f"GEMM here (xᵀx, K = hidden): fp32 {gemm['fp32']:.0f} GFLOP/s, bf16 {gemm['bf16']:.0f} GFLOP/s")
     print(f"{'phase':<14}{'seconds':>9}{'share':>8}{'GFLOP':>10}{'GFLOP/s':>9}{'of fp32':>9}")

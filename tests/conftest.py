@@ -180,18 +180,18 @@ STEPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_at
 """A Llama decoder layer's true-sequential steps: the linears that share an input."""
 
 
-def whole_model_hessians(src, windows, quantized):
-    """Reference: the full model in memory. Each step's Hessian is captured by running the
-    *whole* model on every window, with the linears of earlier steps already replaced by the
-    streamed run's quantized weights (so GPTQ's sensitivity to rounding ties cannot make the
-    two runs drift apart and hide a real difference in the inputs)."""
+def whole_model_hessians(src, windows, quantized, dtype=torch.bfloat16):
+    """Reference: the full model in memory, in ``dtype`` (the calibration precision). Each step's
+    Hessian is captured by running the *whole* model on every window, with the linears of earlier
+    steps already replaced by the streamed run's quantized weights (so GPTQ's sensitivity to
+    rounding ties cannot make the two runs drift apart and hide a real difference in the inputs)."""
     from transformers import AutoModelForCausalLM
 
     from quantizer.formats.packing import unpack_nibbles
     from quantizer.methods.gptq import HessianAccumulator
     from quantizer.methods.grid import dequantize_codes
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
     hessians = {}
 
     def hessian_of(module):
@@ -210,6 +210,6 @@ def whole_model_hessians(src, windows, quantized):
                 m = f"model.layers.{i}.{name}"
                 codes = unpack_nibbles(quantized.get(f"{m}.weight_packed"))
                 layer.get_submodule(name).weight.data = dequantize_codes(
-                    codes, quantized.get(f"{m}.weight_scale"), quantized.get(f"{m}.weight_zero"), torch.float32)
+                    codes, quantized.get(f"{m}.weight_scale"), quantized.get(f"{m}.weight_zero"), dtype)
     hessians["lm_head"] = hessian_of(model.get_output_embeddings())
     return hessians

@@ -49,8 +49,9 @@ class Replay(torch.nn.Module):
 
 def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool, device: str = "cpu"):
     """Run the model's own forward (on ``device``) up to the first decoder layer. Returns (hidden
-    states [S, T, H] fp32 on the CPU of every window, or None when not ``all_samples``; the
-    layer's keyword arguments for one window, the same for every window of that length)."""
+    states [S, T, H] on the CPU of every window, in the model's dtype, or None when not
+    ``all_samples``; the layer's keyword arguments for one window, the same for every window of
+    that length)."""
     captured: dict = {}
 
     def hook(module, args, kwargs):
@@ -69,8 +70,8 @@ def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool, devi
             except _Stop:
                 pass
             if hidden is None:
-                hidden = torch.empty(count, *captured["hidden"].shape[1:], dtype=torch.float32)
-            hidden[s] = captured["hidden"][0].float()
+                hidden = torch.empty(count, *captured["hidden"].shape[1:], dtype=captured["hidden"].dtype)
+            hidden[s] = captured["hidden"][0]
     finally:
         handle.remove()
     return (hidden if all_samples else None), captured["kwargs"]
@@ -132,9 +133,10 @@ def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, metho
 
 
 def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, method,
-                   device: str = "cpu") -> Accumulator:
+                   device: str = "cpu", dtype: torch.dtype = torch.float32) -> Accumulator:
     """The statistic of the head's inputs (the final norm's outputs), through the model's own
-    code: the decoder layers are replaced by a replay of the final hidden states."""
+    code (its parameters in ``dtype``): the decoder layers are replaced by a replay of the final
+    hidden states."""
     replay = Replay(hidden, as_tuple, device)
     originals = list(layers)
     for i in range(len(layers)):
@@ -142,7 +144,7 @@ def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, 
     head = model.get_output_embeddings()
     for name, p in list(model.named_parameters()):
         if p.is_meta and not name.startswith(head_name + "."):
-            set_param(model, name, reader.get(name).to(device, torch.float32))
+            set_param(model, name, reader.get(name).to(device, dtype))
     acc = method.accumulator(head.in_features, device)
 
     def run_window(s):

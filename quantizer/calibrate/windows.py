@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,15 +12,24 @@ from ..errors import InputError
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """How calibration text becomes windows, for every calibrated method."""
+    """How calibration text becomes windows, and the precision the layers run them in, for every
+    calibrated method."""
 
     nsamples: int | None = None  # windows; None: the method's default
     seqlen: int = 512  # tokens per window
     seed: int = 0  # for their offsets
+    precision: str = "bf16"  # of the layers' weights and activations: bf16, as the model runs, or fp32
 
     def resolved(self, default_nsamples: int) -> "CalibrationSettings":
         """These settings with ``nsamples`` decided."""
-        return self if self.nsamples is not None else CalibrationSettings(default_nsamples, self.seqlen, self.seed)
+        return self if self.nsamples is not None else dataclasses.replace(self, nsamples=default_nsamples)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def calibration_windows(tokenizer, text: str, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:

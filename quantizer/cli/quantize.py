@@ -76,6 +76,9 @@ def _bits(value: str | None) -> int | None:
                   f"{m.default_nsamples} for {m.name}" for m in METHODS.values() if m.calibrated) + ".")
 @click.option("--seqlen", default=512, show_default=True, type=click.IntRange(8, 100_000),
               help="[gptq, weighted] Tokens per calibration window.")
+@click.option("--calib-precision", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]),
+              help="[gptq, weighted] What the layers run the calibration windows in: bf16, as the model runs "
+                   "(twice as fast; its activations are summed exactly into fp32 statistics), or fp32.")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
 @click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
@@ -99,7 +102,7 @@ def _bits(value: str | None) -> int | None:
                    "kept ones as llama.cpp's converter writes them.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
-             calib, nsamples, seqlen, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
+             calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
              gguf_type):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from ..calibrate.windows import CalibrationSettings
@@ -127,7 +130,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     )
     settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
     request = QuantizeRequest(model, out, options, overwrite, base_model, calib,
-                              CalibrationSettings(nsamples, seqlen, seed), settings, resume, device)
+                              CalibrationSettings(nsamples, seqlen, seed, calib_precision), settings, resume, device)
     start = time.perf_counter()
     shown = _ShownProgress(progress)
     try:

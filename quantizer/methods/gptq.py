@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .gram import add_gram
 from .grid import (
     BF16,
     MID,
@@ -53,15 +54,13 @@ class HessianAccumulator:
         self._factor: tuple[tuple, HessianFactor] | None = None
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        x = x.reshape(-1, x.shape[-1])
         m = x.shape[0]
         if m == 0:
             return
         self._factor = None
-        self.H *= self.n / (self.n + m)
+        add_gram(self.H, x, alpha=2.0 / (self.n + m), beta=self.n / (self.n + m))
         self.n += m
-        x = x * (2.0 / self.n) ** 0.5
-        self.H.addmm_(x.t(), x)
 
     def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Become the Hessian of every process's rows: ``sum_across`` sums a tensor in place over

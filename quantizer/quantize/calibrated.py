@@ -26,7 +26,7 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     method = info.make(method_settings, plan.storage)
     s = windows_settings.resolved(info.default_nsamples)
     q = dataclasses.replace(plan.qconfig, calibration={
-        "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed,
+        "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed, "precision": s.precision,
         **method.calibration_record()})
     plan = dataclasses.replace(plan, qconfig=q)
     windows, fp = None, None
@@ -39,4 +39,5 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     if windows.shape[0] < ranks.world_size:
         raise InputError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world_size} "
                          "processes; raise --nsamples or start fewer processes")
-    return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks, step=step)
+    return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks, step=step,
+                         dtype=s.dtype)

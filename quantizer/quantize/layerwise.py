@@ -66,13 +66,14 @@ def _materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader,
         capture.set_param(module, name, reader.get(f"{prefix}.{name}").to(device, dtype))
 
 
-def _materialize_before_layers(model: torch.nn.Module, layers_name: str, plan: QuantizationPlan, device: str) -> None:
-    """Load, in fp32, every parameter outside the decoder layers and the head that the forward up to
-    the first layer may read (GPT-2's position table, say); the head's inputs are loaded later."""
+def _materialize_before_layers(model: torch.nn.Module, layers_name: str, plan: QuantizationPlan, device: str,
+                               dtype: torch.dtype) -> None:
+    """Load, in ``dtype``, every parameter outside the decoder layers and the head that the forward
+    up to the first layer may read (GPT-2's position table, say); the head's inputs are loaded later."""
     head = plan.structure.head
     for name, param in list(model.named_parameters()):
         if param.is_meta and not name.startswith(layers_name + ".") and not (head and name.startswith(head + ".")):
-            capture.set_param(model, name, plan.reader.get(name).to(device, torch.float32))
+            capture.set_param(model, name, plan.reader.get(name).to(device, dtype))
 
 
 def _buffers_to(model: torch.nn.Module, device: str) -> None:
@@ -85,11 +86,12 @@ def _buffers_to(model: torch.nn.Module, device: str) -> None:
 
 def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
                   fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE,
-                  step: Step | None = None) -> dict | None:
+                  step: Step | None = None, dtype: torch.dtype = torch.bfloat16) -> dict | None:
     """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
     (the partial folder; its state subfolder holds the progress). Each rank runs its own share of
     the windows; rank 0 returns the report, the other ranks None. ``say`` gets messages and
-    ``step("layer", done, total, note)`` each finished layer."""
+    ``step("layer", done, total, note)`` each finished layer. The layers run in ``dtype`` (bf16
+    as the model runs, whose activations every statistic then sums exactly in fp32; or fp32)."""
     start = time.perf_counter()
     say = say or (lambda m: None)
     step = step or (lambda *a: None)
@@ -99,14 +101,16 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
     state_dir.mkdir(parents=True, exist_ok=True)
     done, as_tuple = ranks.broadcast_object((state.get("layers_done"), state.get("as_tuple", False)))
     own = windows[ranks.share(windows.shape[0])]
-    model = build_empty_model(plan.source_config).float()
+    model = build_empty_model(plan.source_config)
+    if dtype == torch.float32:
+        model.float()
     _buffers_to(model, ranks.device)
     layers_name, layers = decoder_layers(model)
     emb = model.get_input_embeddings()
     _materialize(emb, plan.structure.embedding, plan.reader, torch.bfloat16, ranks.device)  # a lookup: bf16 is exact
-    # ...but its output must be fp32, or the model derives bf16 rotary tables from its dtype
-    emb.register_forward_hook(lambda module, args, out: out.float())
-    _materialize_before_layers(model, layers_name, plan, ranks.device)
+    # ...but its output must be in the layers' dtype, from which the model derives its rotary tables' dtype
+    emb.register_forward_hook(lambda module, args, out: out.to(dtype))
+    _materialize_before_layers(model, layers_name, plan, ranks.device, dtype)
 
     per_tensor: dict[str, dict] = state.get("tensors", {})
     hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)
@@ -117,7 +121,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
     for i in range(done, len(layers)):
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"
-        _materialize(layers[i], prefix, plan.reader, device=ranks.device)
+        _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
         cache = OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
                             output_cache_budget(hidden))
         out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache)
@@ -153,7 +157,7 @@ def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, p
         return {}
     say(f"quantizing {head} on the final hidden states")
     acc = capture.head_statistic(model, layers, plan.reader, hidden, own_windows, as_tuple, plan.structure.head,
-                                 method, ranks.device)
+                                 method, ranks.device, hidden.dtype)
     if ranks.distributed:
         acc.merge(ranks.sum_)
     if not ranks.is_main:
@@ -213,7 +217,8 @@ def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor
             stats = ranks.broadcast_object(stats, owner)
             if ranks.is_main:
                 out_tensors.update(_record(plan, module, w.shape, q, stats, per_tensor))
-            linear.weight.data = plan.linear_weight(module, q.dequantize())  # a transpose is its own inverse
+            # a transpose is its own inverse; dequantized in fp32 and rounded once to the layer's dtype
+            linear.weight.data = plan.linear_weight(module, q.dequantize(linear.weight.dtype))
         if cache is not None:
             cache.finish(step)
     return out_tensors

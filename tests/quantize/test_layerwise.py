@@ -29,8 +29,9 @@ def streamed(src, out, tokenizer, resume=False, options=OPTIONS, group=64, setti
     return run_calibrated(plan, out, tokenizer, builtin_text("calib"), "calib", options, settings, resume=resume)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, byte_tokenizer, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, precision):
     streamed_h = {}
     real_accumulate, real_head = capture.accumulate, capture.head_statistic
 
@@ -46,9 +47,10 @@ def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, 
 
     monkeypatch.setattr(capture, "accumulate", record)
     monkeypatch.setattr(capture, "head_statistic", record_head)
-    report = streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer)
+    options = CalibrationSettings(OPTIONS.nsamples, OPTIONS.seqlen, 0, precision)
+    report = streamed(tiny_model_tok, tmp_path / "q", byte_tokenizer, options=options)
     windows = calibration_windows(byte_tokenizer, builtin_text("calib"), OPTIONS.nsamples, OPTIONS.seqlen, 0)
-    reference = whole_model_hessians(tiny_model_tok, windows, CheckpointReader(tmp_path / "q"))
+    reference = whole_model_hessians(tiny_model_tok, windows, CheckpointReader(tmp_path / "q"), options.dtype)
     assert set(reference) == set(streamed_h) and len(reference) == 2 * 4 + 1
     for key, H in reference.items():
         assert torch.allclose(streamed_h[key], H, rtol=1e-4, atol=1e-5 * H.abs().max().item()), key
@@ -56,6 +58,7 @@ def test_streamed_gptq_sees_the_same_inputs_as_whole_model_gptq(tiny_model_tok, 
     assert config["tie_word_embeddings"] is False
     qc = config["quantization_config"]
     assert qc["method"] == "gptq" and qc["calibration"]["nsamples"] == 4
+    assert qc["calibration"]["precision"] == precision
     for module, entry in report.tensors.items():
         if entry["method"] == "gptq":
             assert entry["gptq_loss"] < entry["rtn_loss"], module
