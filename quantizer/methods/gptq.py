@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .gram import add_gram
+from .gram import add_gram, mirror_upper
 from .grid import (
     BF16,
     MID,
@@ -49,9 +49,18 @@ class HessianAccumulator:
     computed once however many linears share the input (:meth:`factor`)."""
 
     def __init__(self, k: int, device: str | torch.device = "cpu"):
-        self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self._H = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self._upper_only = False  # the lower triangle is stale: mirrored when H is read
         self.n = 0
         self._factor: tuple[tuple, HessianFactor] | None = None
+
+    @property
+    def H(self) -> torch.Tensor:
+        """The Hessian [K, K] fp32."""
+        if self._upper_only:
+            mirror_upper(self._H)
+            self._upper_only = False
+        return self._H
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
@@ -59,7 +68,7 @@ class HessianAccumulator:
         if m == 0:
             return
         self._factor = None
-        add_gram(self.H, x, alpha=2.0 / (self.n + m), beta=self.n / (self.n + m))
+        self._upper_only |= add_gram(self._H, x, alpha=2.0 / (self.n + m), beta=self.n / (self.n + m))
         self.n += m
 
     def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -68,9 +77,10 @@ class HessianAccumulator:
         process would have accumulated, up to fp32 summation order."""
         self._factor = None
         total = int(sum_across(torch.tensor([self.n], dtype=torch.float64)).item())
-        self.H *= self.n
-        sum_across(self.H)
-        self.H /= max(total, 1)
+        H = self.H
+        H *= self.n
+        sum_across(H)
+        H /= max(total, 1)
         self.n = total
 
     def factor(self, damp: float, act_order: bool) -> "HessianFactor":

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-C_SOURCES = ("int4_gemv.c", "int4_dequant.c")
+C_SOURCES = ("int4_gemv.c", "int4_dequant.c", "gram_bf16.c")
 CXX_SOURCES = ("int4_ops.cpp",)
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-w")
 """Both builds: each square of mean_square rounded before it is added (no contraction); vector

@@ -168,6 +168,39 @@ bool use_own_mean_square(bool on) {
     return previous;
 }
 
+// c fp32 [K, K] contiguous, x bf16 [M, K]: c = beta * c + alpha * x^T x on and above the diagonal
+// (gram_bf16.c); entries below it are left stale, for the caller to mirror from above.
+void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double beta) {
+    TORCH_CHECK(int4q_gram_available(), "int4q_native::gram_bf16: this CPU lacks AVX-512 BF16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > 0,
+                "int4q_native::gram_bf16: x must be bf16 [M, K] with M > 0, got ", x.sizes());
+    const int64_t m = x.size(0), k = x.size(1);
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 2 && c.size(0) == k &&
+                    c.size(1) == k,
+                "int4q_native::gram_bf16: c must be contiguous fp32 [", k, ", ", k, "]");
+    const at::Tensor xc = x.contiguous();
+    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
+    const int64_t npairs = (m + 1) / 2, kp = (k + INT4Q_GRAM_PANEL - 1) / INT4Q_GRAM_PANEL * INT4Q_GRAM_PANEL;
+    std::vector<uint32_t> pairs(npairs * kp, 0);
+    at::parallel_for(0, npairs, 16, [&](int64_t first, int64_t last) {
+        for (int64_t p = first; p < last; p++)
+            for (int64_t j = 0; j < k; j++) {
+                const uint32_t high = 2 * p + 1 < m ? xs[(2 * p + 1) * k + j] : 0;
+                pairs[p * kp + j] = xs[2 * p * k + j] | high << 16;
+            }
+    });
+    float *dst = c.data_ptr<float>();
+    const int64_t panels = kp / INT4Q_GRAM_PANEL;
+    // panel j holds j + 1 tile rows: pairing the ends keeps each thread's contiguous share even
+    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+        for (int64_t t = first; t < last; t++)
+            int4q_gram_panel(pairs.data(), npairs, kp, dst, k, (float)alpha, (float)beta,
+                             t % 2 == 0 ? t / 2 : panels - 1 - t / 2);
+    });
+}
+
+bool gram_available() { return int4q_gram_available() != 0; }
+
 at::Tensor gemv_meta(const at::Tensor &x, const at::Tensor &int4pack, const at::Tensor &, int64_t) {
     return at::empty_symint({x.sym_size(0), int4pack.sym_size(0)}, x.options());
 }
@@ -178,6 +211,8 @@ TORCH_LIBRARY(int4q_native, m) {
     m.def("gemv(Tensor x, Tensor int4pack, Tensor sz, int group_size) -> Tensor");
     m.def("mean_square(Tensor x) -> Tensor");
     m.def("dequant_int4pack(Tensor int4pack, Tensor sz, int group_size, Tensor(a!) out) -> ()");
+    m.def("gram_bf16(Tensor(a!) c, Tensor x, float alpha, float beta) -> ()");
+    m.def("gram_available() -> bool", &gram_available);
     m.def("dequant_level() -> int", &dequant_level);
     m.def("gemv_available() -> bool", &gemv_available);
     m.def("limit_level(int level) -> int", &limit_level);
@@ -188,6 +223,7 @@ TORCH_LIBRARY_IMPL(int4q_native, CPU, m) {
     m.impl("gemv", gemv);
     m.impl("mean_square", mean_square);
     m.impl("dequant_int4pack", dequant_int4pack);
+    m.impl("gram_bf16", gram_bf16);
 }
 TORCH_LIBRARY_IMPL(int4q_native, Meta, m) {
     m.impl("gemv", gemv_meta);
