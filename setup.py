@@ -26,7 +26,8 @@ def native_extension():
     sources = [str(p.relative_to(HERE)) for p in build.sources()]
     flags = [*build.COMPILE_FLAGS, build.digest_define()]
     extension = CppExtension(f"quantizer.runtime.native.{build.LIBRARY_STEM}", sources,
-                             extra_compile_args={"cxx": flags}, py_limited_api=False)
+                             extra_compile_args={"cxx": flags}, extra_link_args=list(build.LINK_FLAGS),
+                             py_limited_api=False)
     return [extension], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}
 
 

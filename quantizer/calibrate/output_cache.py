@@ -3,17 +3,20 @@ outputs, and those of every module all of whose linears are quantized (the atten
 output projection is), no longer change. The first pass over the windows after that keeps them,
 and every later pass (the next steps' captures, the replay of the layer) reads them instead of
 computing them again. What does not fit the budget is computed each time, as without the cache;
-the values are the same either way."""
+the values are the same either way. While it is open, the layer's attention is also computed
+once per window (:mod:`.attention_memo`), within the same budget."""
 
 from __future__ import annotations
 
 import torch
 
 from ..memory import available_memory_bytes
+from .attention_memo import AttentionMemo
 
-CACHE_TO_INPUT = 8
-"""The cache holds at most this many times the bytes of the layer's input activations (a Llama
-layer's q, k, v, o, gate and up outputs at a hidden-to-intermediate ratio of 3/8)."""
+CACHE_TO_INPUT = 4
+"""The cache holds at most this many times the bytes of the layer's input activations as fp32,
+eight hidden vectors of bf16 a token: a Llama layer's attention output and its gate and up outputs
+at a hidden-to-intermediate ratio of 3/8; a wider MLP has part of them computed again."""
 
 
 def output_cache_budget(hidden: torch.Tensor) -> int:
@@ -26,14 +29,30 @@ class OutputCache:
     """Outputs of ``layer``'s finished modules for each of ``windows`` windows of ``tokens``
     tokens, at most ``budget_bytes`` in all (on the CPU). ``linears``: the names of the layer's
     linears that will be quantized; every other module of the layer counts as finished from the
-    start. The driver sets :attr:`window` to the window each forward runs."""
+    start. The driver sets :attr:`window` to the window each forward runs. A context manager:
+    on leaving, the modules get their own forward back and the outputs are dropped."""
 
     def __init__(self, layer: torch.nn.Module, linears: set[str], windows: int, tokens: int, budget_bytes: int):
         self.layer, self.windows, self.tokens, self.budget = layer, windows, tokens, budget_bytes
-        self.window = 0
         self._pending = set(linears)
         self._outputs: dict[str, list] = {}  # module -> its output per window (None: not kept)
         self.used_bytes = 0
+        self.memo = AttentionMemo(windows, self._reserve)
+
+    @property
+    def window(self) -> int:
+        return self.memo.window
+
+    @window.setter
+    def window(self, s: int) -> None:
+        self.memo.window = s
+
+    def __enter__(self) -> "OutputCache":
+        self.memo.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def finish(self, names: list[str]) -> None:
         """The linears ``names`` are quantized: keep their outputs, and those of every module of
@@ -48,9 +67,17 @@ class OutputCache:
                 module.forward = self._answering(name, module.forward)
 
     def close(self) -> None:
-        """Give the modules their own forward back and drop the outputs."""
+        """Give the modules their own forward back, close the memo and drop what was kept."""
         for name in list(self._outputs):
             self._drop(name)
+        self.memo.__exit__(None, None, None)
+        self.used_bytes = 0
+
+    def _reserve(self, nbytes: int) -> bool:
+        if self.used_bytes + nbytes > self.budget:
+            return False
+        self.used_bytes += nbytes
+        return True
 
     def _is_finished(self, name: str) -> bool:
         return not any(p == name or p.startswith(name + ".") for p in self._pending)
@@ -60,11 +87,15 @@ class OutputCache:
         return any(n == name or n.startswith(name + ".") for n in names)
 
     def _drop_inside_complete(self) -> None:
-        """Modules inside one whose outputs are kept for every window are no longer called."""
+        """Modules inside one whose outputs are kept for every window are no longer called, and
+        neither is the attention inside them."""
         complete = [n for n, outs in self._outputs.items() if all(o is not None for o in outs)]
         for name in list(self._outputs):
             if any(name.startswith(c + ".") for c in complete):
                 self._drop(name)
+        for c in complete:
+            for module in self.layer.get_submodule(c).modules():
+                self.used_bytes -= self.memo.forget(module)
 
     def _drop(self, name: str) -> None:
         del self.layer.get_submodule(name).forward
@@ -77,11 +108,8 @@ class OutputCache:
             if outs[s] is not None and first is not None:
                 return _copy(outs[s], first.device)
             y = compute(*args, **kwargs)
-            if first is not None and _storable(y):
-                size = _nbytes(y)
-                if self.used_bytes + size <= self.budget:
-                    outs[s] = _copy(y, "cpu")
-                    self.used_bytes += size
+            if first is not None and _storable(y) and self._reserve(_nbytes(y)):
+                outs[s] = _copy(y, "cpu")
             return y
         return forward
 

@@ -19,11 +19,10 @@ from typing import Callable
 
 import torch
 
+from .gptq_columns import ColumnGrids, solve_columns
 from .gram import add_gram, mirror_upper
 from .grid import (
     BF16,
-    MID,
-    QMAX,
     ROW_CHUNK,
     GroupQuantized,
     Storage,
@@ -118,30 +117,39 @@ def factorize(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> He
     columns are visited by decreasing diag(H) with ``act_order``, and ``damp`` * mean(diag H) is
     added to the diagonal (ten times more per retry where H is not positive definite)."""
     k = H.shape[0]
-    H = H.to(torch.float32).clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=H.device)
-    U, used_damp, retries = _inverse_cholesky(H[perm][:, perm], damp)
+    diag = torch.diag(H).to(torch.float32)
+    dead = diag == 0
+    diag = diag.masked_fill(dead, 1.0)
+    perm = torch.argsort(diag, descending=True) if act_order else torch.arange(k, device=H.device)
+    backwards = perm.flip(0)
+    reversed_h = H.to(torch.float32)[backwards.unsqueeze(1), backwards]  # P H P in the visiting order
+    reversed_h.diagonal()[dead[backwards]] = 1.0
+    U, used_damp, retries = _inverse_cholesky(reversed_h, damp)
     return HessianFactor(U, perm, dead, GptqInfo(used_damp, retries, int(dead.sum())))
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int]:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) after adding damp * mean(diag H) to the
-    diagonal; retries with 10x the damping when H is not positive definite.
+def _inverse_cholesky(reversed_h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for H given reversed (P H P, P the reversal),
+    after adding damp * mean(diag H) to the diagonal; retries with 10x the damping when H is not
+    positive definite.
 
-    With P the reversal of the columns and L the lower Cholesky factor of P H P, U = P L^-1 P:
-    one factorisation and one triangular inverse (K^3 / 3 multiply-adds each)."""
-    mean_diag = torch.mean(torch.diag(H)).item() or 1.0
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one triangular
+    inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at once besides
+    the inverse's temporaries."""
+    mean_diag = torch.mean(torch.diag(reversed_h).flip(0)).item() or 1.0
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
-        L, info = torch.linalg.cholesky_ex((H + d * mean_diag * eye).flip(0, 1))
+        damped = reversed_h.clone()
+        damped.diagonal().add_(d * mean_diag)
+        L, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if info.item() == 0:
             if retry:
                 log.warning("Hessian not positive definite at damp %.3g; used damp %.3g "
                             "(more calibration samples, or a larger --damp, avoid this)", damp, d)
-            return lower_triangular_inverse(L).flip(0, 1), d, retry
+            inverse = lower_triangular_inverse(L)
+            del L
+            return inverse.flip(0, 1), d, retry
     raise NotPositiveDefinite(damp * 10**DAMP_RETRIES)
 
 
@@ -207,7 +215,7 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     if act_order:
         W = W[:, perm]
     group_of = (perm // group_size).tolist()  # group of each (permuted) column
-    grid = _ColumnGrids(n, k, W.device)
+    grid = ColumnGrids(n, k, W.device)
     if static:
         grid.set(range(k), scale.t()[group_of], zero.t()[group_of])
     codes = torch.empty(k, n, dtype=torch.float32, device=W.device)
@@ -216,18 +224,15 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
         W1 = W[:, i1:i2].t().contiguous()
         Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if not static and col % group_size == 0:
-                # lazy groups: params from the weights as updated so far (this block's in W1)
-                cols = torch.cat([W1[i:i + group_size].t(), W[:, i2:col + group_size]], dim=1)
-                s, z = params_of(cols.unsqueeze(1), col)
-                scale[:, group_of[col]], zero[:, group_of[col]] = s[:, 0], z[:, 0]
-                grid.set(range(col, col + group_size), s[:, 0], z[:, 0])
-            w, q = W1[i], codes[col]
-            deq = grid.round(w, col, out=q)
-            err = torch.div(w - deq, U1[i, i], out=Err1[i])
-            W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * err
+        starts = [i1] if static else sorted({i1, *range(-(-i1 // group_size) * group_size, i2, group_size)})
+        for a, b in zip(starts, [*starts[1:], i2]):
+            if not static and a % group_size == 0:
+                # lazy groups start at a: params from the weights as updated so far (this block's in W1)
+                cols = torch.cat([W1[a - i1:a - i1 + group_size].t(), W[:, i2:a + group_size]], dim=1)
+                s, z = params_of(cols.unsqueeze(1), a)
+                scale[:, group_of[a]], zero[:, group_of[a]] = s[:, 0], z[:, 0]
+                grid.set(range(a, a + group_size), s[:, 0], z[:, 0])
+            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1)
         W[:, i2:] -= Err1.t().contiguous() @ U[i1:i2, i2:]
     codes = codes.t().to(torch.uint8)
     if act_order:
@@ -235,35 +240,8 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     return GroupQuantized(codes, scale, zero)
 
 
-class _ColumnGrids:
-    """Each column's grid, per row, in the form rounding needs (the arithmetic of
-    :func:`round_to_grid` and :func:`grid_values`, so codes and values match them exactly)."""
-
-    def __init__(self, n: int, k: int, device):
-        self.scale = torch.zeros(k, n, dtype=torch.float32, device=device)
-        self.zero = torch.zeros(k, n, dtype=torch.float32, device=device)
-        self.safe = torch.ones(k, n, dtype=torch.float32, device=device)
-        self.flat = torch.zeros(k, n, dtype=torch.bool, device=device)
-        self.any_flat = False
-
-    def set(self, cols: range, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Columns ``cols`` take scale, zero [len(cols), n] (or [n], the same for each)."""
-        c = slice(cols.start, cols.stop)
-        self.scale[c], self.zero[c] = scale.to(torch.float32), zero.to(torch.float32)
-        self.flat[c] = self.scale[c] == 0
-        self.safe[c] = torch.where(self.flat[c], 1.0, self.scale[c])
-        self.any_flat = bool(self.flat.any())
-
-    def round(self, w: torch.Tensor, col: int, out: torch.Tensor) -> torch.Tensor:
-        """Column ``col``'s codes for w [n] into ``out`` (fp32), and the values they stand for."""
-        q = torch.round((w - self.zero[col]) / self.safe[col] + MID, out=out).clamp_(0, QMAX)
-        if self.any_flat:
-            q.masked_fill_(self.flat[col], float(MID))
-        return (q - MID) * self.scale[col] + self.zero[col]
-
-
 def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     """The GPTQ objective tr((W - Q) H (W - Q)^T): the expected squared output error on the
-    calibration inputs (up to the 2/n factor folded into H)."""
-    D = (W.to(torch.float32) - Q.to(torch.float32))
-    return torch.einsum("nk,kl,nl->", D, H, D).item()
+    calibration inputs (up to the 2/n factor folded into H), in fp32."""
+    D = W.to(torch.float32) - Q.to(torch.float32)
+    return (D @ H.to(torch.float32)).mul_(D).sum().item()

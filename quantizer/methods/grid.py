@@ -27,6 +27,10 @@ from .codes import MID, QMAX, dequantize_codes, grid_values, group_sq_error, rou
 from .superblock import superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
+SEARCH_CHUNK = 1 << 19
+"""Elements per row chunk of the grid searches, whose many temporaries then stay in the cache
+(on a [8960, 1536] weight, ten times faster than one pass over all rows); rows are independent,
+so the result is the same."""
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
 WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist()
 
@@ -104,6 +108,14 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.to(torch.float32).reshape(n, k // group_size, group_size)
 
 
+def _row_chunks(rows: int, per_row: int) -> list[slice]:
+    """Row slices of about :data:`SEARCH_CHUNK` elements each (one slice for a small weight)."""
+    if rows * per_row <= 2 * SEARCH_CHUNK:
+        return [slice(None)]
+    step = max(1, SEARCH_CHUNK // per_row)
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
 def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
                 storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group range [lo, hi] (fp32) -> (scale, zero) as ``storage`` holds them, in its
@@ -141,6 +153,11 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     ``column_weights`` [K] (each input column's mean squared activation) each group's grid is
     the one of :func:`weighted_grid_search`.
     """
+    chunks = _row_chunks(w.shape[0], w.shape[1])
+    if len(chunks) > 1:
+        parts = [quantize_groupwise(w[rows], group_size, symmetric, clip_search, storage, column_weights)
+                 for rows in chunks]
+        return GroupQuantized(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.zero) for p in parts))))
     g = _grouped(w, group_size)
     if storage.superblock:
         own = storage.for_row(g.shape[1])
@@ -186,6 +203,10 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     candidate, so the result is never worse than it on this objective (before a super-block
     storage rounds the winner's scale and minimum).
     """
+    chunks = _row_chunks(g.shape[0], g[0].numel())
+    if len(chunks) > 1:
+        parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
+        return tuple(torch.cat(t) for t in zip(*parts))
     if storage.superblock:
         own = storage.for_row(g.shape[1])
         scale, zero, codes = weighted_grid_search(g, weights, symmetric, own)

@@ -114,6 +114,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
 
     per_tensor: dict[str, dict] = state.get("tensors", {})
     hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)
+    emb.to("meta")  # read again for the head's pass: a large vocabulary's table is not held through the layers
     if done:
         hidden = calib_state.load_hidden(state_dir, done, ranks)
         say(f"resuming after layer {done}/{len(layers)}")
@@ -122,11 +123,10 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"
         _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
-        cache = OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
-                            output_cache_budget(hidden))
-        out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache)
-        hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device, cache)
-        cache.close()
+        with OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
+                         output_cache_budget(hidden)) as cache:
+            out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache)
+            hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device, cache)
         for name in plan.reader.infos if ranks.is_main else ():
             if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
                 out_tensors[name] = plan.reader.get(name)

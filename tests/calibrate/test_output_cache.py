@@ -20,24 +20,29 @@ def gptq_run(src, out, tokenizer):
     return {name: reader.get(name) for name in reader.infos}
 
 
-def counting_linear_products(monkeypatch) -> list:
-    calls = []
-    real = torch.nn.Linear.forward
-    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(1) or real(self, x))
-    return calls
+def counting_products(monkeypatch) -> tuple[list, list]:
+    """Calls of every linear, and of SDPA (the tiny Llama's attention)."""
+    linears, attentions = [], []
+    real, sdpa = torch.nn.Linear.forward, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: linears.append(1) or real(self, x))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: attentions.append(1) or sdpa(*a, **k))
+    return linears, attentions
 
 
 def test_cached_outputs_give_the_same_checkpoint_with_fewer_products(tiny_model_tok, byte_tokenizer, tmp_path,
                                                                       monkeypatch):
-    computed = counting_linear_products(monkeypatch)
+    linears, attentions = counting_products(monkeypatch)
     cached = gptq_run(tiny_model_tok, tmp_path / "cached", byte_tokenizer)
-    with_cache = len(computed)
+    with_cache = len(linears), len(attentions)
     monkeypatch.setattr(layerwise, "output_cache_budget", lambda hidden: 0)
-    computed.clear()
+    linears.clear()
+    attentions.clear()
     uncached = gptq_run(tiny_model_tok, tmp_path / "uncached", byte_tokenizer)
     assert cached.keys() == uncached.keys()
     assert all(torch.equal(cached[name], uncached[name]) for name in cached)
-    assert with_cache < 0.7 * len(computed)
+    assert with_cache[0] < 0.7 * len(linears)
+    assert 0 < with_cache[1] < 0.7 * len(attentions)  # each window's attention once a layer, not twice
 
 
 def test_a_module_whose_outputs_do_not_fit_is_computed_each_time():

@@ -196,3 +196,23 @@ def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_poi
         return group_sq_error(g, round_to_grid(g, s, z), s, z)
 
     assert bool((error(scale, zero) <= error(*plain)).all())  # the level search keeps the plain rounding's pair
+
+
+@pytest.mark.parametrize("storage", [BF16, INTEGER_ZERO, Storage(torch.float16, "min", superblock=8)])
+@pytest.mark.parametrize("sym", [False, True])
+def test_row_chunks_give_the_same_grids_as_one_pass(monkeypatch, storage, sym):
+    import quantizer.methods.grid as grid
+
+    if sym and storage.superblock:
+        pytest.skip("super-blocks hold asymmetric grids only")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 512, generator=g) * 0.02
+    weights = torch.rand(512, generator=g)
+    whole = [quantize_groupwise(w, 32, sym, clip_search=True, storage=storage),
+             quantize_groupwise(w, 32, sym, storage=storage, column_weights=weights)]
+    monkeypatch.setattr(grid, "SEARCH_CHUNK", 3 * 512)  # 3 rows a chunk, the last one short
+    assert grid._row_chunks(37, 512)[-1] == slice(36, 39)
+    chunked = [quantize_groupwise(w, 32, sym, clip_search=True, storage=storage),
+               quantize_groupwise(w, 32, sym, storage=storage, column_weights=weights)]
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)

@@ -13,12 +13,14 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-C_SOURCES = ("int4_gemv.c", "int4_dequant.c", "gram_bf16.c")
+C_SOURCES = ("int4_gemv.c", "int4_dequant.c", "gram_bf16.c", "gptq_columns.c")
 CXX_SOURCES = ("int4_ops.cpp",)
-COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-w")
+COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-w")
 """Both builds: each square of mean_square rounded before it is added (no contraction); vector
 code comes from the kernels' own target attributes, not from -march, so one build serves every
-x86-64 CPU."""
+x86-64 CPU. ATen's parallel_for is OpenMP inside its header, so without -fopenmp every kernel
+would run on one thread; the library then uses the libgomp torch has loaded (the same soname)."""
+LINK_FLAGS = ("-fopenmp",)
 BUILD_SECONDS = 300
 LIBRARY_STEM = "_C"
 """The installed library: ``quantizer/runtime/native/_C<extension suffix>``."""
@@ -87,7 +89,7 @@ def build(target: Path, cxx: str | None = None) -> Path:
             f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             "-x", "c", *(str(CSRC / s) for s in C_SOURCES), "-x", "c++", *(str(CSRC / s) for s in CXX_SOURCES),
-            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-o", str(tmp)]
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", *LINK_FLAGS, "-o", str(tmp)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_SECONDS)
     except (OSError, subprocess.TimeoutExpired) as e:

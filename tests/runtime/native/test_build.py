@@ -26,6 +26,18 @@ def test_the_installed_library_is_the_one_loaded_and_it_was_built_from_these_sou
     assert ops.source_digest() == build.source_digest()
 
 
+def test_the_kernels_run_on_torchs_threads():
+    ops = library.ops()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ops.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert ops.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_library_built_from_other_sources_is_refused(fresh_library, monkeypatch):
     monkeypatch.setattr(library, "source_digest", lambda: "0" * 64)
     with pytest.raises(build.NativeUnavailable, match="built from other sources than this int4q's; reinstall"):
@@ -37,7 +49,8 @@ def test_a_library_built_from_other_sources_is_refused(fresh_library, monkeypatc
 def test_a_failing_compiler_is_named_with_its_first_error_line(tmp_path):
     cxx = failing_compiler(tmp_path, "c++", "warning: noise", "int4_ops.cpp:1: error: no torch headers")
     with pytest.raises(build.NativeUnavailable,
-                       match="could not compile int4_gemv.c, int4_dequant.c, gram_bf16.c and int4_ops.cpp: .*error: no torch headers"):
+                       match="could not compile int4_gemv.c, int4_dequant.c, gram_bf16.c, gptq_columns.c and "
+                             "int4_ops.cpp: .*error: no torch headers"):
         build.build(tmp_path / "lib.so", cxx=str(cxx))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c++"]  # nothing half-written
 

@@ -7,7 +7,8 @@
  * beyond k; a zero row pads an odd row count). Then one vdpbf16ps of a broadcast word of column i
  * with 16 words of columns j..j+15 adds x[2p][i] x[2p][j] + x[2p+1][i] x[2p+1][j] to 16 entries of
  * row i. A tile is 8 rows by 48 columns of C: 24 accumulators, fed from 3 loads and 8 broadcasts
- * per row pair.
+ * per row pair. The pairs come in chunks (INT4Q_GRAM_PAIRS: a panel's 48 columns of them stay in L1)
+ * and the rows in blocks (INT4Q_GRAM_ROWS: a block's words of a chunk stay in L2).
  *
  * Needs AVX-512 F and BF16, checked at run time; elsewhere int4q_gram_available() is 0 and the
  * caller uses ATen's fp32 GEMM. Registered as a PyTorch operator by int4_ops.cpp.
@@ -17,7 +18,6 @@
 #include "int4q.h"
 
 #define TILE_ROWS 8
-#define PAIRS_PER_CHUNK 128 /* the panel's 48 columns of that many pairs stay in L1 */
 
 #if INT4Q_X86
 #include <immintrin.h>
@@ -70,20 +70,20 @@ int int4q_gram_available(void) {
 #endif
 }
 
-/* Column panel `panel` (columns [48 panel, 48 panel + 48)) of C [k, k] fp32 row-major, its tiles
- * on and above the diagonal, from `npairs` packed row pairs of width kp (a multiple of 48). Only
- * where int4q_gram_available(). */
-void int4q_gram_panel(const uint32_t *pairs, int64_t npairs, int64_t kp, float *c, int64_t k, float alpha,
-                      float beta, int64_t panel) {
+/* The tiles of column panel `panel` (columns [48 panel, 48 panel + 48) of C [k, k] fp32 row-major)
+ * on and above the diagonal whose rows lie in [i_begin, i_end), over packed row pairs [p0, p1)
+ * of width kp (a multiple of 48): C = beta * C + alpha * the pairs' Gram. Only where
+ * int4q_gram_available(). The caller walks row blocks in its outer loop, so that one block's
+ * words of every pair stay in L2 while the panels pass over them. */
+void int4q_gram_block(const uint32_t *pairs, int64_t p0, int64_t p1, int64_t kp, float *c, int64_t k, float alpha,
+                      float beta, int64_t i_begin, int64_t i_end, int64_t panel) {
 #if INT4Q_X86
     const int64_t j0 = INT4Q_GRAM_PANEL * panel;
-    for (int64_t p0 = 0; p0 < npairs; p0 += PAIRS_PER_CHUNK) {
-        const int64_t p1 = p0 + PAIRS_PER_CHUNK < npairs ? p0 + PAIRS_PER_CHUNK : npairs;
-        const float scale_old = p0 == 0 ? beta : 1.0f;
-        for (int64_t i0 = 0; i0 < j0 + INT4Q_GRAM_PANEL && i0 < k; i0 += TILE_ROWS)
-            tile(pairs, kp, p0, p1, i0, j0, c, k, alpha, scale_old);
-    }
+    const int64_t last = j0 + INT4Q_GRAM_PANEL < k ? j0 + INT4Q_GRAM_PANEL : k;
+    for (int64_t i0 = i_begin; i0 < i_end && i0 < last; i0 += TILE_ROWS)
+        tile(pairs, kp, p0, p1, i0, j0, c, k, alpha, beta);
 #else
-    (void)pairs, (void)npairs, (void)kp, (void)c, (void)k, (void)alpha, (void)beta, (void)panel;
+    (void)pairs, (void)p0, (void)p1, (void)kp, (void)c, (void)k, (void)alpha, (void)beta, (void)i_begin,
+        (void)i_end, (void)panel;
 #endif
 }

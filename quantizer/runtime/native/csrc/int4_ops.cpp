@@ -84,6 +84,14 @@ int64_t dequant_level() { return int4q_dequant_level(); }
 
 bool gemv_available() { return int4q_gemv_available() != 0; }
 
+// How many of ATen's threads a parallel_for over `tasks` tasks ran on (1 in a build whose
+// parallel_for is not OpenMP's, see build.py).
+int64_t parallel_threads(int64_t tasks) {
+    std::atomic<uint64_t> seen{0};
+    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+    return __builtin_popcountll(seen.load());
+}
+
 // sha256 of the sources this library was built from (see build.py).
 std::string source_digest() { return INT4Q_SOURCE_DIGEST; }
 
@@ -191,15 +199,48 @@ void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double be
     });
     float *dst = c.data_ptr<float>();
     const int64_t panels = kp / INT4Q_GRAM_PANEL;
-    // panel j holds j + 1 tile rows: pairing the ends keeps each thread's contiguous share even
-    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-        for (int64_t t = first; t < last; t++)
-            int4q_gram_panel(pairs.data(), npairs, kp, dst, k, (float)alpha, (float)beta,
-                             t % 2 == 0 ? t / 2 : panels - 1 - t / 2);
-    });
+    // per chunk of pairs and block of rows, the threads share the panels the block reaches
+    for (int64_t p0 = 0; p0 < npairs; p0 += INT4Q_GRAM_PAIRS) {
+        const int64_t p1 = std::min(p0 + INT4Q_GRAM_PAIRS, npairs);
+        const float scale_old = p0 == 0 ? (float)beta : 1.0f;
+        for (int64_t i0 = 0; i0 < k; i0 += INT4Q_GRAM_ROWS)
+            at::parallel_for(i0 / INT4Q_GRAM_PANEL, panels, 1, [&](int64_t first, int64_t last) {
+                for (int64_t panel = first; panel < last; panel++)
+                    int4q_gram_block(pairs.data(), p0, p1, kp, dst, k, (float)alpha, scale_old, i0,
+                                     i0 + INT4Q_GRAM_ROWS, panel);
+            });
+    }
 }
 
 bool gram_available() { return int4q_gram_available() != 0; }
+
+// GPTQ's column loop over columns [first, last) of one block (gptq_columns.c): w, scale, zero, safe,
+// codes, err fp32 [b, N] and flat bool [b, N], contiguous; u fp32 [b, b] contiguous. w, codes and
+// err are written in place; the rows are split between ATen's threads.
+void gptq_columns(const at::Tensor &w, const at::Tensor &u, const at::Tensor &scale, const at::Tensor &zero,
+                  const at::Tensor &safe, const at::Tensor &flat, const at::Tensor &codes, const at::Tensor &err,
+                  int64_t first, int64_t last) {
+    TORCH_CHECK(w.dim() == 2, "int4q_native::gptq_columns: w must be fp32 [b, N], got ", w.sizes());
+    const int64_t b = w.size(0), n = w.size(1);
+    for (const at::Tensor *t : {&w, &scale, &zero, &safe, &codes, &err})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == w.sizes(),
+                    "int4q_native::gptq_columns: w, scale, zero, safe, codes and err must be contiguous fp32 [",
+                    b, ", ", n, "]");
+    TORCH_CHECK(flat.scalar_type() == at::kBool && flat.is_contiguous() && flat.sizes() == w.sizes(),
+                "int4q_native::gptq_columns: flat must be contiguous bool [", b, ", ", n, "]");
+    TORCH_CHECK(u.scalar_type() == at::kFloat && u.is_contiguous() && u.dim() == 2 && u.size(0) == b &&
+                    u.size(1) == b,
+                "int4q_native::gptq_columns: u must be contiguous fp32 [", b, ", ", b, "]");
+    TORCH_CHECK(0 <= first && first <= last && last <= b, "int4q_native::gptq_columns: columns [", first, ", ",
+                last, ") outside the block of ", b);
+    float *pw = w.data_ptr<float>(), *pc = codes.data_ptr<float>(), *pe = err.data_ptr<float>();
+    const float *pu = u.data_ptr<float>(), *ps = scale.data_ptr<float>(), *pz = zero.data_ptr<float>(),
+                *pf = safe.data_ptr<float>();
+    const auto *pflat = reinterpret_cast<const uint8_t *>(flat.data_ptr<bool>());
+    at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+        int4q_gptq_columns(pw, pu, b, ps, pz, pf, pflat, pc, pe, n, first, last, r0, r1);
+    });
+}
 
 at::Tensor gemv_meta(const at::Tensor &x, const at::Tensor &int4pack, const at::Tensor &, int64_t) {
     return at::empty_symint({x.sym_size(0), int4pack.sym_size(0)}, x.options());
@@ -213,8 +254,11 @@ TORCH_LIBRARY(int4q_native, m) {
     m.def("dequant_int4pack(Tensor int4pack, Tensor sz, int group_size, Tensor(a!) out) -> ()");
     m.def("gram_bf16(Tensor(a!) c, Tensor x, float alpha, float beta) -> ()");
     m.def("gram_available() -> bool", &gram_available);
+    m.def("gptq_columns(Tensor(a!) w, Tensor u, Tensor scale, Tensor zero, Tensor safe, Tensor flat, Tensor(b!) codes, "
+          "Tensor(c!) err, int first, int last) -> ()");
     m.def("dequant_level() -> int", &dequant_level);
     m.def("gemv_available() -> bool", &gemv_available);
+    m.def("parallel_threads(int tasks) -> int", &parallel_threads);
     m.def("limit_level(int level) -> int", &limit_level);
     m.def("use_own_mean_square(bool on) -> bool", &use_own_mean_square);
     m.def("source_digest() -> str", &source_digest);
@@ -224,6 +268,7 @@ TORCH_LIBRARY_IMPL(int4q_native, CPU, m) {
     m.impl("mean_square", mean_square);
     m.impl("dequant_int4pack", dequant_int4pack);
     m.impl("gram_bf16", gram_bf16);
+    m.impl("gptq_columns", gptq_columns);
 }
 TORCH_LIBRARY_IMPL(int4q_native, Meta, m) {
     m.impl("gemv", gemv_meta);

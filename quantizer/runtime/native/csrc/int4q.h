@@ -1,4 +1,4 @@
-/* The C interface of int4q's kernels (int4_gemv.c, int4_dequant.c, gram_bf16.c) to their operators
+/* The C interface of int4q's kernels (int4_gemv.c, int4_dequant.c, gram_bf16.c, gptq_columns.c) to their operators
  * (int4_ops.cpp), and the vector paths they choose between at run time. The sources may be
  * compiled as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
@@ -27,10 +27,16 @@ void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *x
 void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
                        int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
 
-#define INT4Q_GRAM_PANEL 48 /* columns of C per panel of int4q_gram_panel */
+#define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
+#define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
+#define INT4Q_GRAM_ROWS 384  /* rows of C per block */
 int int4q_gram_available(void);
-void int4q_gram_panel(const uint32_t *pairs, int64_t npairs, int64_t kp, float *c, int64_t k, float alpha,
-                      float beta, int64_t panel);
+void int4q_gram_block(const uint32_t *pairs, int64_t p0, int64_t p1, int64_t kp, float *c, int64_t k, float alpha,
+                      float beta, int64_t i_begin, int64_t i_end, int64_t panel);
+
+void int4q_gptq_columns(float *w, const float *u, int64_t b, const float *scale, const float *zero, const float *safe,
+                        const uint8_t *flat, float *codes, float *err, int64_t n, int64_t first, int64_t last,
+                        int64_t r0, int64_t r1);
 
 int int4q_dequant_level(void);
 void int4q_dequant_int4pack(const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,

@@ -1,0 +1,110 @@
+"""GPTQ's column loop inside one lazy block: each column rounded to its grid, its error divided by
+the factor's diagonal and spread over the block's later columns. Two kernels with the same
+arithmetic in the same order, so the same codes and weights to the bit:
+
+- int4q's own (``int4q_native::gptq_columns``), rows split between threads, each kept in L1
+  through the block;
+- torch, one column at a time (a few small operations per column).
+
+The native kernel proves itself on first use against the torch loop; where it fails, one warning
+names the fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .grid import MID, QMAX
+
+log = logging.getLogger(__name__)
+
+_native: list = []  # [the checked kernel, or None once found unusable]
+
+
+class ColumnGrids:
+    """Each column's grid, per row, in the form rounding needs (the arithmetic of
+    :func:`grid.round_to_grid` and :func:`grid.grid_values`, so codes and values match them
+    exactly): scale, zero, the scale safe to divide by, and whether the scale is 0; all [K, n]."""
+
+    def __init__(self, n: int, k: int, device):
+        self.scale = torch.zeros(k, n, dtype=torch.float32, device=device)
+        self.zero = torch.zeros(k, n, dtype=torch.float32, device=device)
+        self.safe = torch.ones(k, n, dtype=torch.float32, device=device)
+        self.flat = torch.zeros(k, n, dtype=torch.bool, device=device)
+
+    def set(self, cols: range, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Columns ``cols`` take scale, zero [len(cols), n] (or [n], the same for each)."""
+        c = slice(cols.start, cols.stop)
+        self.scale[c], self.zero[c] = scale.to(torch.float32), zero.to(torch.float32)
+        self.flat[c] = self.scale[c] == 0
+        self.safe[c] = torch.where(self.flat[c], 1.0, self.scale[c])
+
+    def block(self, i1: int, i2: int) -> tuple[torch.Tensor, ...]:
+        """(scale, zero, safe, flat) of columns [i1, i2), each [i2 - i1, n] and contiguous."""
+        return self.scale[i1:i2], self.zero[i1:i2], self.safe[i1:i2], self.flat[i1:i2]
+
+
+def solve_columns(W1: torch.Tensor, U1: torch.Tensor, grids: tuple[torch.Tensor, ...], codes: torch.Tensor,
+                  err: torch.Tensor, first: int, last: int) -> None:
+    """Columns [first, last) of a block: W1 [b, n] fp32 (the block's columns as rows, updated in
+    place), U1 [b, b] the factor's block, ``grids`` from :meth:`ColumnGrids.block`; writes their
+    codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n]."""
+    kernel = _native_kernel() if W1.device.type == "cpu" else None
+    (kernel or torch_columns)(W1, U1, grids, codes, err, first, last)
+
+
+def torch_columns(W1, U1, grids, codes, err, first: int, last: int) -> None:
+    """:func:`solve_columns` in torch, one column at a time."""
+    scale, zero, safe, flat = grids
+    any_flat = bool(flat[first:last].any())
+    for i in range(first, last):
+        w = W1[i]
+        q = torch.round((w - zero[i]) / safe[i] + MID, out=codes[i]).clamp_(0, QMAX)
+        if any_flat:
+            q.masked_fill_(flat[i], float(MID))
+        deq = (q - MID) * scale[i] + zero[i]
+        e = torch.div(w - deq, U1[i, i], out=err[i])
+        W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e
+
+
+def _native_kernel():
+    if not _native:
+        _native.append(_checked(_find_native()))
+    return _native[0]
+
+
+def _find_native():
+    from ..runtime.native.library import load_unless_off, ops
+
+    library = load_unless_off(ops, "GPTQ's column loop in torch", "Reinstall int4q")
+    if library is None:
+        return None
+
+    def native(W1, U1, grids, codes, err, first, last):
+        library.gptq_columns(W1, U1.contiguous(), *grids, codes, err, first, last)
+    return native
+
+
+def _checked(kernel):
+    """``kernel`` where it reproduces the torch loop bit for bit on a block with a flat column,
+    rows that fill no whole chunk and a partial range of columns; else None after one warning."""
+    if kernel is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    b, n = 40, 157
+    grids = ColumnGrids(n, b, "cpu")
+    grids.set(range(b), torch.rand(b, n, generator=g) * 0.1, torch.randn(b, n, generator=g) * 0.05)
+    grids.set(range(5, 6), torch.zeros(n), torch.zeros(n))
+    U1 = (torch.randn(b, b, generator=g) * 0.1).triu() + torch.eye(b)
+    W = torch.randn(b, n, generator=g)
+    results = []
+    for run in (kernel, torch_columns):
+        W1, codes, err = W.clone(), torch.zeros(b, n), torch.zeros(b, n)
+        run(W1, U1, grids.block(0, b), codes, err, 3, 37)
+        results.append((W1, codes, err))
+    if not all(torch.equal(a, t) for a, t in zip(*results)):
+        log.warning("int4q's GPTQ column kernel gives other results than torch here and is not used; "
+                    "the column loop runs in torch (slower)")
+        return None
+    return kernel
