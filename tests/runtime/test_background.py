@@ -109,6 +109,7 @@ def test_int4q_compile_of_a_step_that_does_not_compile_is_one_line_naming_the_ma
 
     monkeypatch.setattr(fastpath, "artifact_path", lambda m, variant="": fastpath.compiled_dir() / "cli-broken.aot")
     monkeypatch.setattr(fastpath, "_aot_compile", broken)
+    monkeypatch.setattr(fastpath, "_warned", set())  # this process's once-only warnings stay as they were
     result = CliRunner().invoke(main, ["compile", str(tiny_model)])
     assert result.exit_code != 0 and "Traceback" not in result.output and "internal error" not in result.output
     assert "does not compile" in result.output and "cli-broken.failed" in result.output

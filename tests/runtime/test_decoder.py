@@ -99,6 +99,7 @@ def test_a_model_with_no_static_cache_falls_back_to_generate_with_one_warning(tm
 
 def test_compile_failure_decodes_eagerly_after_one_warning(tiny_model, monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
+    monkeypatch.setattr(fastpath, "_warned", set())  # warned once a process: not by an earlier test
 
     def broken(decoder):
         raise RuntimeError("no C++ compiler")
