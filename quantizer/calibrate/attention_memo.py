@@ -40,7 +40,7 @@ class AttentionMemo:
     def forget(self, module) -> int:
         """Drop what is kept for ``module``'s attention; returns the bytes given back."""
         slots = [slot for slot in self._kept if slot[0] == id(module)]
-        return sum(_nbytes(self._kept.pop(slot)) for slot in slots)
+        return sum(nbytes(self._kept.pop(slot)) for slot in slots)
 
     def _answering(self, compute):
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
@@ -50,7 +50,7 @@ class AttentionMemo:
             if kept is not None and _same(kept[0], inputs):
                 return _copy(kept[1])
             out = compute(module, query, key, value, attention_mask, *args, **kwargs)
-            if query.shape[0] == 1 and kept is None and self.reserve(_nbytes(inputs) + _nbytes(out)):
+            if query.shape[0] == 1 and kept is None and self.reserve(nbytes(inputs) + nbytes(out)):
                 self._kept[slot] = (_copy(inputs), _copy(out))
             return out
         return attention
@@ -79,13 +79,14 @@ def _same(a, b) -> bool:
         return False
 
 
-def _nbytes(value) -> int:
+def nbytes(value) -> int:
+    """Bytes of every tensor in ``value`` (tensors, and tuples, lists and dicts of them)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (tuple, list)):
-        return sum(_nbytes(v) for v in value)
+        return sum(nbytes(v) for v in value)
     if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
+        return sum(nbytes(v) for v in value.values())
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..memory import available_memory_bytes
-from .attention_memo import AttentionMemo
+from .attention_memo import AttentionMemo, nbytes
 
 CACHE_TO_INPUT = 4
 """The cache holds at most this many times the bytes of the layer's input activations as fp32,
@@ -73,10 +73,10 @@ class OutputCache:
         self.memo.__exit__(None, None, None)
         self.used_bytes = 0
 
-    def _reserve(self, nbytes: int) -> bool:
-        if self.used_bytes + nbytes > self.budget:
+    def _reserve(self, size: int) -> bool:
+        if self.used_bytes + size > self.budget:
             return False
-        self.used_bytes += nbytes
+        self.used_bytes += size
         return True
 
     def _is_finished(self, name: str) -> bool:
@@ -99,7 +99,7 @@ class OutputCache:
 
     def _drop(self, name: str) -> None:
         del self.layer.get_submodule(name).forward
-        self.used_bytes -= sum(_nbytes(o) for o in self._outputs.pop(name) if o is not None)
+        self.used_bytes -= sum(nbytes(o) for o in self._outputs.pop(name) if o is not None)
 
     def _answering(self, name: str, compute):
         def forward(*args, **kwargs):
@@ -108,7 +108,7 @@ class OutputCache:
             if outs[s] is not None and first is not None:
                 return _copy(outs[s], first.device)
             y = compute(*args, **kwargs)
-            if first is not None and _storable(y) and self._reserve(_nbytes(y)):
+            if first is not None and _storable(y) and self._reserve(nbytes(y)):
                 outs[s] = _copy(y, "cpu")
             return y
         return forward
@@ -125,11 +125,6 @@ def _storable(y) -> bool:
     if isinstance(y, torch.Tensor):
         return True
     return isinstance(y, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in y)
-
-
-def _nbytes(y) -> int:
-    parts = y if isinstance(y, tuple) else (y,)
-    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def _copy(y, device):
