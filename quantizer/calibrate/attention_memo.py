@@ -15,12 +15,12 @@ Reserve = Callable[[int], bool]  # bytes -> whether they fit the budget (and are
 
 
 class AttentionMemo:
-    """The memo of one layer's attention over ``windows`` windows; ``reserve`` decides what fits.
+    """The memo of one layer's attention, per window; ``reserve`` decides what fits.
     The driver sets :attr:`window` to the window each forward runs. A context manager: the
     attention functions are wrapped while it is open."""
 
-    def __init__(self, windows: int, reserve: Reserve):
-        self.window, self.windows, self.reserve = 0, windows, reserve
+    def __init__(self, reserve: Reserve):
+        self.window, self.reserve = 0, reserve
         self._kept: dict[tuple[int, int], tuple] = {}  # (module id, window) -> (inputs, output)
         self._restore: list[tuple[dict, str, Callable]] = []
 

@@ -37,7 +37,7 @@ class OutputCache:
         self._pending = set(linears)
         self._outputs: dict[str, list] = {}  # module -> its output per window (None: not kept)
         self.used_bytes = 0
-        self.memo = AttentionMemo(windows, self._reserve)
+        self.memo = AttentionMemo(self._reserve)
 
     @property
     def window(self) -> int:

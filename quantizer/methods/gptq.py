@@ -223,7 +223,7 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].t().contiguous()
         Err1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        U1 = U[i1:i2, i1:i2].contiguous()
         starts = [i1] if static else sorted({i1, *range(-(-i1 // group_size) * group_size, i2, group_size)})
         for a, b in zip(starts, [*starts[1:], i2]):
             if not static and a % group_size == 0:

@@ -48,7 +48,7 @@ class ColumnGrids:
 def solve_columns(W1: torch.Tensor, U1: torch.Tensor, grids: tuple[torch.Tensor, ...], codes: torch.Tensor,
                   err: torch.Tensor, first: int, last: int) -> None:
     """Columns [first, last) of a block: W1 [b, n] fp32 (the block's columns as rows, updated in
-    place), U1 [b, b] the factor's block, ``grids`` from :meth:`ColumnGrids.block`; writes their
+    place), U1 [b, b] the factor's block (contiguous), ``grids`` from :meth:`ColumnGrids.block`; writes their
     codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n]."""
     kernel = _native_kernel() if W1.device.type == "cpu" else None
     (kernel or torch_columns)(W1, U1, grids, codes, err, first, last)
@@ -82,7 +82,7 @@ def _find_native():
         return None
 
     def native(W1, U1, grids, codes, err, first, last):
-        library.gptq_columns(W1, U1.contiguous(), *grids, codes, err, first, last)
+        library.gptq_columns(W1, U1, *grids, codes, err, first, last)
     return native
 
 

@@ -31,7 +31,7 @@ def qkv(seed=0):
 def test_equal_inputs_are_answered_with_the_kept_output_and_anything_else_is_computed(counting):
     original, calls = counting
     module = torch.nn.Module()
-    with AttentionMemo(windows=2, reserve=lambda n: True) as memo:
+    with AttentionMemo(reserve=lambda n: True) as memo:
         attention = ALL_ATTENTION_FUNCTIONS["int4q_test_counting"]
         q, k, v = qkv()
         first, _ = attention(module, q, k, v, None, scaling=0.5)
@@ -55,7 +55,7 @@ def test_equal_inputs_are_answered_with_the_kept_output_and_anything_else_is_com
 def test_what_does_not_fit_the_budget_is_computed_each_time(counting):
     _, calls = counting
     asked = []
-    with AttentionMemo(windows=1, reserve=lambda n: asked.append(n) or False):
+    with AttentionMemo(reserve=lambda n: asked.append(n) or False):
         attention = ALL_ATTENTION_FUNCTIONS["int4q_test_counting"]
         q, k, v = qkv()
         for _ in range(3):
@@ -67,7 +67,7 @@ def test_a_forgotten_module_is_computed_again_and_its_bytes_given_back(counting)
     _, calls = counting
     reserved = []
     module = torch.nn.Module()
-    with AttentionMemo(windows=1, reserve=lambda n: reserved.append(n) or True) as memo:
+    with AttentionMemo(reserve=lambda n: reserved.append(n) or True) as memo:
         attention = ALL_ATTENTION_FUNCTIONS["int4q_test_counting"]
         q, k, v = qkv()
         attention(module, q, k, v, None)
