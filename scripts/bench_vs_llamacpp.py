@@ -10,6 +10,12 @@ where the CPU advertises AMX that the kernel does not enable, build it with
     python scripts/bench_vs_llamacpp.py --int4 models/g64 --int4 models/g32 --bf16 models/bf16 \\
         --gguf q4_1=<path> --make-q4_0 --threads 2 --json out.json
 
+With ``--int8`` each int4q checkpoint is also measured with int8 activations (arm ``<name>+int8``;
+the plain arm is exact). ``--llama-bench LABEL=BINARY`` (repeatable) also runs each GGUF through
+that build's own ``llama-bench`` (arm ``<gguf>@<LABEL>``), e.g. the native and the portable builds of
+``scripts/setup_gguf.sh --build`` / ``--build-portable``, so a build choice never hides a faster
+llama.cpp.
+
 With ``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile
 caches) and warm (reusing what the first run saved).
 """
@@ -29,6 +35,7 @@ from pathlib import Path
 import torch
 
 from quantizer.runtime import load_model
+from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.bench import decode_tokens_per_s, describe_path, load_measured, prefill_tokens_per_s
 from quantizer.runtime.decode.compiled import open_decoder
 from quantizer.runtime.loader import import_architecture
@@ -37,8 +44,8 @@ Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 
 
 class TorchArm:
-    def __init__(self, label: str, path: str, pp: int, tg: int):
-        self.model, measured = load_measured(load_model, path, label)
+    def __init__(self, label: str, path: str, pp: int, tg: int, activations: Activations | None = None):
+        self.model, measured = load_measured(lambda p: load_model(p, activations=activations), path, label)
         self.rss_mb = measured.load_rss_anon_mb
         started = time.perf_counter()
         self.decoder = open_decoder(self.model, max(pp, 1) + tg + 1)
@@ -78,6 +85,26 @@ class LlamaCppArm:
         for i in range(n):
             self.llm.eval([101 + i])
         return n / (time.perf_counter() - start)
+
+
+class LlamaBenchArm:
+    """One GGUF through a llama.cpp build's own ``llama-bench`` (a process per rep, one repetition each)."""
+
+    def __init__(self, label: str, binary: str, path: str, threads: int):
+        self.label, self.kind = label, f"llama-bench {Path(binary).parent.parent.name}"
+        self.open_s, self.rss_mb = 0.0, 0.0
+        self.binary, self.path, self.threads = binary, path, threads
+
+    def _run(self, pp: int, tg: int) -> float:
+        done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), "-p", str(pp), "-n", str(tg),
+                               "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+
+    def pp(self, n: int) -> float:
+        return self._run(n, 0)
+
+    def tg(self, n: int) -> float:
+        return self._run(0, n)
 
 
 def make_q4_0(source: Path) -> Path:
@@ -153,6 +180,11 @@ def main() -> None:
     ap.add_argument("--bf16", help="bf16 checkpoint folder, run through the same int4q runtime")
     ap.add_argument("--gguf", action="append", default=[], help="LABEL=PATH of a GGUF for llama.cpp (repeatable)")
     ap.add_argument("--make-q4_0", action="store_true", help="also requantize the first GGUF to Q4_0")
+    ap.add_argument("--int8", action="store_true", help="also run each --int4 with int8 activations")
+    ap.add_argument("--llama-bench", action="append", default=[],
+                    help="LABEL=BINARY: also run every GGUF through this llama.cpp build's llama-bench (repeatable)")
+    ap.add_argument("--no-python-llama", action="store_true",
+                    help="run GGUFs only through --llama-bench, not through llama-cpp-python")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
@@ -169,10 +201,16 @@ def main() -> None:
         ggufs.append(("q4_0", str(make_q4_0(Path(ggufs[0][1])))))
     if args.int4 or args.bf16:  # one-time imports and allocations are not charged to the first arm
         import_architecture(args.int4[0] if args.int4 else args.bf16)
-    arms = [TorchArm(Path(p).name, p, args.pp, args.tg) for p in args.int4]
+    exact, int8 = EXACT, Activations("int8", "int8")
+    arms = [TorchArm(Path(p).name, p, args.pp, args.tg, exact) for p in args.int4]
+    arms += [TorchArm(Path(p).name + "+int8", p, args.pp, args.tg, int8) for p in args.int4 if args.int8]
     if args.bf16:
         arms.append(TorchArm("bf16", args.bf16, args.pp, args.tg))
-    arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads) for label, path in ggufs]
+    if not args.no_python_llama:
+        arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads) for label, path in ggufs]
+    builds = [tuple(b.split("=", 1)) for b in args.llama_bench]
+    arms += [LlamaBenchArm(f"{label}@{build}", binary, path, args.threads) for build, binary in builds
+             for label, path in ggufs]
     for arm in arms:  # warm-up
         arm.pp(min(args.pp, 32) or 1)
         arm.tg(4)
@@ -193,7 +231,7 @@ def main() -> None:
             "tg_median": round(statistics.median(r["tg"]), 1), "tg_reps": [round(v, 1) for v in r["tg"]],
             "rss_anon_after_load_mb": round(arm.rss_mb, 1), "open_s": round(arm.open_s, 2),
         }
-    reference = next((lbl for lbl, _ in ggufs), None)
+    reference = next((arm.label for arm in arms if isinstance(arm, (LlamaCppArm, LlamaBenchArm))), None)
     print(f"threads {args.threads}, pp{args.pp} tg{args.tg}, {args.reps} reps, medians; ratio = tg / tg of {reference}")
     print(f"{'arm':<14} {'runtime':<20} {'pp tok/s':>9} {'tg tok/s':>9} {'tg ratio':>9} {'RssAnon MiB':>12}")
     for label, a in report["arms"].items():
@@ -205,9 +243,11 @@ def main() -> None:
         gbs = read_bandwidth_gbs()
         report["read_bandwidth_gbs"] = round(gbs, 2)
         print(f"measured read bandwidth ({args.threads} threads): {gbs:.1f} GB/s")
-        paths = {Path(p).name: p for p in args.int4} | ({"bf16": args.bf16} if args.bf16 else {})
+        paths = {Path(p).name: p for p in args.int4} | {Path(p).name + "+int8": p for p in args.int4}
+        paths |= {"bf16": args.bf16} if args.bf16 else {}
         for label, a in report["arms"].items():
-            nbytes = decode_bytes_gguf(dict(ggufs)[label]) if label in dict(ggufs) else decode_bytes_int4q(paths[label])
+            gguf = dict(ggufs).get(label.split("@")[0])
+            nbytes = decode_bytes_gguf(gguf) if gguf else decode_bytes_int4q(paths[label])
             a["decode_bytes_per_token"] = nbytes
             a["bandwidth_fraction"] = round(nbytes * a["tg_median"] / 1e9 / gbs, 3)
             print(f"{label:<14} reads {nbytes / 1e6:8.1f} MB per token: {nbytes * a['tg_median'] / 1e9:5.2f} GB/s, "

@@ -127,6 +127,19 @@ def kernel_layout_weight(blocks: int, groups: int, group_size: int, seed: int, s
     return codes, scale, zero, packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
 
 
+def at_thread_counts(compute, counts=(1, 2, 3)) -> list:
+    """``compute()`` under each of torch's thread counts in turn; the count is restored afterwards."""
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in counts:
+            torch.set_num_threads(threads)
+            results.append(compute())
+        return results
+    finally:
+        torch.set_num_threads(before)
+
+
 def failing_compiler(directory: Path, name: str, *stderr: str) -> Path:
     """An executable ``directory/name`` that prints ``stderr`` lines and fails, as a broken compiler does."""
     import stat

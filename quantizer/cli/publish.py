@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from .runtime import activation_options, choose_activations
+
 VERIFY_EXIT = {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}
 
 
@@ -29,7 +31,9 @@ VERIFY_EXIT = {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG of per-tensor SNR (and the KLD distribution).")
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads.")
-def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, json_path, plot_path, threads):
+@activation_options
+def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, json_path, plot_path, threads, decode,
+           prefill):
     """Check a cpu_int4 checkpoint (or a .gguf file int4q wrote). Exit 0: PASS (every check ran and passed); 1: FAIL (a check
     failed); 2: bad usage; 3: INCOMPLETE (a check could not run, e.g. the models would not load)."""
     import json
@@ -41,6 +45,7 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
 
     if threads:
         torch.set_num_threads(threads)
+    choose_activations(decode, prefill)
     if max_kld is not None and source is None:
         raise click.UsageError("--max-kld needs --reference (the source to compare against)")
     for option, path in (("--json", json_path), ("--plot", plot_path)):

@@ -8,6 +8,27 @@ from pathlib import Path
 
 import click
 
+from ..runtime.activations import CHOICES
+
+
+def activation_options(command):
+    """``--decode`` and ``--prefill``: the int4 linears' activation precision (see
+    :mod:`quantizer.runtime.activations`); the command calls :func:`choose_activations` with them."""
+    for phase, rows in (("prefill", "from dequant_threshold rows on: prompts"), ("decode", "below dequant_threshold: "
+                                                                                           "one token at a time")):
+        command = click.option(f"--{phase}", type=click.Choice(CHOICES),
+                               help=f"Activations of the int4 linears' {phase} ({rows}): exact bf16, or rounded "
+                                    f"to int8 per weight group (faster where the CPU has AVX-512 VNNI). Default: "
+                                    f"$INT4Q_ACTIVATIONS, else the README's choice.")(command)
+    return command
+
+
+def choose_activations(decode: str | None, prefill: str | None) -> None:
+    """Apply ``--decode``/``--prefill`` to this process (and the compile worker it may start)."""
+    from ..runtime.activations import choose
+
+    choose(decode, prefill)
+
 
 @click.command()
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -19,7 +40,8 @@ import click
               help="Use the compiled decode step (made once per model and machine, in the background; "
                    "decoding starts eagerly meanwhile).")
 @click.option("--stats", is_flag=True, help="Print load time, time to first token and decode speed to stderr.")
-def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
+@activation_options
+def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, decode, prefill):
     """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
@@ -27,6 +49,7 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    choose_activations(decode, prefill)
     started = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, threads=threads)
@@ -51,12 +74,14 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats):
 @click.option("--max-len", default=256, show_default=True, type=click.IntRange(1, 1_000_000),
               help="Prompt plus new tokens the step serves (models int4q's own decoder does not cover compile one "
                    "step per power of two).")
-def compile_step(model_dir, threads, max_len):
+@activation_options
+def compile_step(model_dir, threads, max_len, decode, prefill):
     """Compile and save a checkpoint's decode step now, so the first generate runs at full speed."""
     import torch
 
     from ..runtime.decode.background import compile_and_save
 
+    choose_activations(decode, prefill)
     artifact, outcome = compile_and_save(model_dir, threads or torch.get_num_threads(), max_len)
     click.echo(f"decode step {outcome}: {artifact}")
 
@@ -74,7 +99,11 @@ def compile_step(model_dir, threads, max_len):
 @click.option("--compile/--no-compile", default=True, show_default=True,
               help="Compile the decode step (cached on disk after the first run).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every number here.")
-def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile, json_path):
+@click.option("--compare-exact", is_flag=True,
+              help="Also measure the checkpoint with exact activations (arm 'exact'), interleaved with the others.")
+@activation_options
+def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile, json_path, compare_exact, decode,
+          prefill):
     """llama-bench style prefill and decode speed, and resident memory after load."""
     import json
 
@@ -87,8 +116,9 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
         raise click.BadParameter(f"folder {json_path.parent} does not exist", param_hint="--json")
     if threads:
         torch.set_num_threads(threads)
+    choose_activations(decode, prefill)
 
-    arms = 2 if baseline else 1
+    arms = 1 + bool(baseline) + compare_exact
     steps = StepReporter(unit="run")
     runs = iter(range(1, reps * arms + 1))
 
@@ -97,18 +127,20 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
               f"{name} pp {r.pp[-1] if r.pp else 0:.1f} tg {r.tg[-1] if r.tg else 0:.2f} tok/s")
 
     try:
-        out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show)
+        out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show,
+                           compare_exact=compare_exact)
     finally:
         steps.close()
     click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} tg{gen_tokens}, "
-               f"{reps} reps (best / median)")
+               f"{reps} reps (best / median), int4 activations {out['activations']}")
     for name, r in out["arms"].items():
         pp = f"pp {r['pp_best']} / {r['pp_median']} tok/s   " if prompt_tokens else ""
         tg = f"tg {r['tg_best']} / {r['tg_median']} tok/s   " if gen_tokens else ""
         click.echo(f"{name:>9}: {pp}{tg}RssAnon after load {r['rss_anon_after_load_mb']} MiB   "
                    f"({r['decode_path']} decode)")
-    if "ratios_int4_over_baseline" in out:
-        click.echo("    ratio: " + ", ".join(f"{k} {v}" for k, v in out["ratios_int4_over_baseline"].items()))
+    for key in ("ratios_int4_over_baseline", "ratios_int4_over_exact"):
+        if key in out:
+            click.echo(f"{key.split('_')[-1]:>9} ratio: " + ", ".join(f"{k} {v}" for k, v in out[key].items()))
     click.echo(f"peak RSS of the process {out['peak_rss_mb']} MiB")
     if json_path:
         json_path.write_text(json.dumps(out, indent=2) + "\n")

@@ -120,34 +120,43 @@ def describe_path(decoder) -> str:
 
 
 def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps: int, compile: bool = True,
-                 progress=None) -> dict:
-    """Load the int4 model (and the bf16 ``baseline``), measure them interleaved, and return the
-    report: machine, lengths, each arm's summary, int4/baseline ratios and the process's peak RSS."""
+                 progress=None, compare_exact: bool = False) -> dict:
+    """Load the int4 model (with the process's activation setting; also with exact activations
+    when ``compare_exact``, and the bf16 ``baseline``), measure them interleaved, and return the
+    report: machine, lengths, each arm's summary, ratios and the process's peak RSS."""
+    import functools
     import platform
 
+    from .activations import EXACT, current
     from .decode.generation import check_positions
     from .loader import import_architecture, load_model
 
     import_architecture(model_dir)
     arms, results = {}, {}
-    for name, path in [("int4", model_dir)] + ([("baseline", baseline)] if baseline else []):
-        arms[name], results[name] = load_measured(load_model, path, name)
+    plan = [("int4", model_dir, None)] + ([("exact", model_dir, EXACT)] if compare_exact else [])
+    for name, path, activations in plan + ([("baseline", baseline, None)] if baseline else []):
+        arms[name], results[name] = load_measured(functools.partial(load_model, activations=activations), path, name)
         check_positions(arms[name].config, prompt_tokens + gen_tokens,
                         f"--prompt-tokens {prompt_tokens} and --gen-tokens {gen_tokens}")
     run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile)
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
-        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "reps": reps,
+        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "reps": reps, "activations": current().encode(),
         "arms": {name: r.summary() for name, r in results.items()},
         "peak_rss_mb": round(proc_status_mb("VmHWM"), 1),
     }
-    if baseline:
-        a, b = report["arms"]["int4"], report["arms"]["baseline"]
-        ratios = {
-            "tg_median": a["tg_median"] / b["tg_median"] if gen_tokens else None,
-            "pp_median": a["pp_median"] / b["pp_median"] if prompt_tokens else None,
-            "rss_anon_after_load": a["rss_anon_after_load_mb"] / b["rss_anon_after_load_mb"],
-        }
-        report["ratios_int4_over_baseline"] = {k: round(v, 3) if v is not None else None for k, v in ratios.items()}
+    for other in ("baseline", "exact"):
+        if other in report["arms"]:
+            report[f"ratios_int4_over_{other}"] = _ratios(report["arms"]["int4"], report["arms"][other])
     return report
+
+
+def _ratios(a: dict, b: dict) -> dict:
+    """Arm ``a``'s medians and resident memory over arm ``b``'s (None for a phase not measured)."""
+    ratios = {
+        "tg_median": a["tg_median"] / b["tg_median"] if b["tg_median"] else None,
+        "pp_median": a["pp_median"] / b["pp_median"] if b["pp_median"] else None,
+        "rss_anon_after_load": a["rss_anon_after_load_mb"] / b["rss_anon_after_load_mb"],
+    }
+    return {k: round(v, 3) if v is not None else None for k, v in ratios.items()}

@@ -17,6 +17,8 @@ from ..io.checkpoint import CheckpointReader, read_config
 from ..io.structure import build_empty_model, check_layer_count, is_linear, linear_dims, tie_word_embeddings
 from ..memory import release_free_memory
 from ..spec.config import QuantizationConfig
+from .activations import EXACT, Activations
+from .activations import current as current_activations
 from .nn.fusion import fuse_projections
 from .nn.int4 import Int4Linear, Int4Lookup, quantize_embedding_module, tied_head
 from .nn.int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
@@ -43,11 +45,14 @@ def quantized_module_names(reader: CheckpointReader) -> list[str]:
     return sorted(n.removesuffix(marker) for n in reader.infos if n.endswith(marker))
 
 
-def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> torch.nn.Module:
+def load_model(path: Path, threads: int | None = None, fuse: bool = True,
+               activations: Activations | None = None) -> torch.nn.Module:
     """Load a cpu_int4 (or plain) checkpoint folder as a transformers model ready for ``generate``.
 
-    Activations are bf16 end to end: unquantized float tensors are cast to bf16. With ``fuse``,
-    int4 linears that share an input run as one kernel call (see :mod:`.fusion`).
+    Activations are bf16 between layers: unquantized float tensors are cast to bf16. The int4
+    linears multiply them as ``activations`` says (default: the process's setting, see
+    :mod:`.activations`). With ``fuse``, int4 linears that share an input run as one kernel call
+    (see :mod:`.fusion`).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -60,7 +65,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True) -> tor
     _load_generation_config(model, path)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = tie_word_embeddings(config) and head is not None
-    quantized_set = install_quantized_modules(model, reader, qc, tied)
+    quantized_set = install_quantized_modules(model, reader, qc, tied, activations)
     for name, info in reader.infos.items():
         if not is_quantized_tensor(name, quantized_set):
             _set_tensor(model, name, reader.get(name))
@@ -90,21 +95,25 @@ def _load_generation_config(model: torch.nn.Module, path: Path) -> None:
 
 
 def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, qc: QuantizationConfig | None,
-                              tied: bool) -> set[str]:
+                              tied: bool, activations: Activations | None = None) -> set[str]:
     """Put int4/int8 modules, built from ``reader``'s tensors, in place of the quantized linears
     and table of ``model`` (its other parameters may still be on the meta device); a ``tied``
-    head shares the quantized table. Returns the quantized modules' names."""
+    head shares the quantized table; int4 linears multiply as ``activations`` says (default: the
+    process's setting), except the vocabulary head, always exact: its error lands on the logits
+    unfiltered, and generation runs it on one row per token. Returns the quantized modules' names."""
+    activations = activations or current_activations()
     modules = dict(model.named_modules())
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     emb_name = next(n for n, m in modules.items() if m is emb)
     quantized = quantized_module_names(reader)
     for name in quantized:
-        _install(model, name, modules.get(name), emb, reader, qc, tied)
+        module = modules.get(name)
+        _install(model, name, module, emb, reader, qc, tied, EXACT if module is head else activations)
     if tied and emb_name in quantized:
         head_name = next(n for n, m in modules.items() if m is head)
         bits = 8 if isinstance(emb, Int8Lookup) else 4
         share = int8_tied_head if bits == 8 else tied_head
-        set_module(model, head_name, share(emb, **_kernel_options(qc, bits)))
+        set_module(model, head_name, share(emb, **_kernel_options(qc, bits, EXACT)))
     return set(quantized)
 
 
@@ -114,14 +123,16 @@ def is_quantized_tensor(name: str, quantized: set[str]) -> bool:
     return module_name in quantized and (attr in cpu_int4.SUFFIXES or attr == "bias")
 
 
-def _kernel_options(qc: QuantizationConfig, bits: int) -> dict:
+def _kernel_options(qc: QuantizationConfig, bits: int, activations: Activations) -> dict:
     options = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant)
     if bits == 4:
-        options.update(direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op)
+        options.update(direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op,
+                       int8_decode=activations.decode == "int8", int8_prefill=activations.prefill == "int8")
     return options
 
 
-def _install(model, name: str, module, emb, reader: CheckpointReader, qc: QuantizationConfig, tied: bool) -> None:
+def _install(model, name: str, module, emb, reader: CheckpointReader, qc: QuantizationConfig, tied: bool,
+             activations: Activations) -> None:
     """Put the quantized module ``name`` in place of the model's linear or embedding."""
     if qc is None:
         raise InputError(f"{name} has packed weights but config.json has no quantization_config")
@@ -143,7 +154,7 @@ def _install(model, name: str, module, emb, reader: CheckpointReader, qc: Quanti
     if linear_dims(module) != (tensors[0].shape[0], k):
         raise InputError(f"{name}: quantized shape [{tensors[0].shape[0]}, {k}] does not fit "
                          f"{list(linear_dims(module))} ([out, in])")
-    options = _kernel_options(qc, scheme.bits)
+    options = _kernel_options(qc, scheme.bits, activations)
     if scheme.bits == 8:
         set_module(model, name, Int8Linear(*tensors, bias=bias, **options))
     else:

@@ -131,6 +131,7 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     from ..io.text import load_text
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
+    from ..runtime.activations import current as current_activations
     from .fidelity import greedy_agreement, teacher_forced, token_windows
 
     result = CheckResult("end to end")
@@ -150,8 +151,10 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
         say(f"greedy generation, {greedy_tokens} tokens per prompt ...")
         greedy_agreement(reference, quantized, tokenizer, greedy_tokens, fid,
                          progress=lambda done, total: step("greedy prompts", done, total))
-    report["fidelity"] = {**fid.as_dict(), "text": origin, "ctx": ctx}
-    numbers.append(f"KLD vs source over {fid.tokens_scored} tokens ({origin}, ctx {ctx}): mean {fid.kld_mean:.5f}, "
+    activations = current_activations().encode()
+    report["fidelity"] = {**fid.as_dict(), "text": origin, "ctx": ctx, "activations": activations}
+    numbers.append(f"KLD vs source over {fid.tokens_scored} tokens ({origin}, ctx {ctx}, activations {activations}): "
+                   f"mean {fid.kld_mean:.5f}, "
                    f"p99.9 {fid.kld_p999:.4f}, max {fid.kld_max:.4f}; top-1 agreement {100 * fid.top1_agreement:.2f}%")
     numbers.append(f"perplexity: source {fid.ppl_reference:.4f}, quantized {fid.ppl_quantized:.4f}, "
                    f"ratio {fid.ppl_ratio:.4f}")

@@ -126,3 +126,19 @@ def test_dequantize_modules_keeps_the_function_and_the_tie():
     assert type(model.head) is torch.nn.Linear and type(model.emb) is torch.nn.Embedding
     assert model.head.weight is model.emb.weight
     assert torch.equal(model.head(x), before)
+
+
+@pytest.mark.parametrize("int8_decode, int8_prefill", [(True, False), (False, True), (True, True)])
+def test_int8_activations_go_through_the_int8_operator_for_the_chosen_rows(int8_decode, int8_prefill):
+    from quantizer.runtime.native.w4a8 import has_w4a8
+
+    if not has_w4a8():
+        pytest.skip("this CPU has no AVX-512 VNNI: int8 activations fall back to the exact paths")
+    _, tensors = quantized(128, 256, 64)
+    exact = Int4Linear.from_row_major(*tensors, group_size=64)
+    layer = Int4Linear.from_row_major(*tensors, group_size=64, int8_decode=int8_decode, int8_prefill=int8_prefill)
+    for rows, int8 in ((1, int8_decode), (9, int8_prefill)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = torch.ops.int4q_native.w4a8_mm(x, layer.int4pack, layer.sz, 64) if int8 else exact(x)
+        assert torch.equal(layer(x), want)
+        assert (layer.prefill_weight(rows) is None) is (int8 or rows < layer.threshold)

@@ -8,6 +8,8 @@ from click.testing import CliRunner
 from quantizer.cli.main import main
 from quantizer.errors import InputError, UnsupportedError
 from quantizer.runtime import load_model
+from quantizer.runtime.activations import ENV, EXACT, Activations
+from quantizer.runtime.native.w4a8 import has_w4a8
 from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime.decode.generation import encode_prompt, greedy_ids
 from quantizer.runtime.nn.int4 import Int4Linear, Int4Lookup
@@ -75,12 +77,27 @@ def test_checkpoint_asking_for_what_the_runtime_cannot_do_fails_clearly(tiny_q, 
 def test_smollm2_int4_logits_match_its_dequantized_bf16_twin(smollm2_g64):
     tokenizer = load_tokenizer(smollm2_g64)
     ids = tokenizer("The quick brown fox jumps over the lazy dog because it", return_tensors="pt")["input_ids"]
-    model = load_model(smollm2_g64)
+    model = load_model(smollm2_g64, activations=EXACT)
     got = logits(model, ids)
     del model
-    want = logits(dequantize_modules(load_model(smollm2_g64)), ids)
+    want = logits(dequantize_modules(load_model(smollm2_g64, activations=EXACT)), ids)
     assert (got - want).abs().max().item() < 0.03 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.skipif(not has_w4a8(), reason="this CPU has no AVX-512 VNNI: int8 activations fall back")
+def test_smollm2_int8_prefill_adds_a_fraction_of_what_4_bit_rounding_costs(smollm2_g64, smollm2_bf16):
+    tokenizer = load_tokenizer(smollm2_g64)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog because it", return_tensors="pt")["input_ids"]
+    source, exact, int8 = (torch.log_softmax(logits(m, ids), -1) for m in (
+        load_model(smollm2_bf16), load_model(smollm2_g64, activations=EXACT),
+        load_model(smollm2_g64, activations=Activations("exact", "int8"))))
+
+    def kld(p, q):
+        return (p.exp() * (p - q)).sum(-1).mean().item()
+
+    assert 0 < kld(exact, int8) < 0.2 * kld(source, exact)
+    assert kld(source, int8) < 1.1 * kld(source, exact)
 
 
 def test_smollm2_int4_greedy_answers_sensibly(smollm2_g64):
@@ -91,7 +108,8 @@ def test_smollm2_int4_greedy_answers_sensibly(smollm2_g64):
     assert "Paris" in text
 
 
-def test_generate_and_bench_commands_on_smollm2(smollm2_g64, smollm2_bf16, tmp_path):
+def test_generate_and_bench_commands_on_smollm2(smollm2_g64, smollm2_bf16, tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)  # the activation options below set it for this process
     runner = CliRunner()
     result = runner.invoke(main, ["generate", str(smollm2_g64), "--prompt", "What is the capital of France?",
                                   "--chat", "--max-new-tokens", "12"])
@@ -100,12 +118,14 @@ def test_generate_and_bench_commands_on_smollm2(smollm2_g64, smollm2_bf16, tmp_p
     # Eager decode: generate above and the decoder tests cover the compiled step, and compiling the
     # bf16 baseline too would add two minutes to the suite.
     result = runner.invoke(main, ["bench", str(smollm2_g64), "--baseline", str(smollm2_bf16), "--prompt-tokens", "32",
-                                  "--gen-tokens", "4", "--reps", "1", "--no-compile", "--json", str(report)])
+                                  "--gen-tokens", "4", "--reps", "1", "--no-compile", "--json", str(report),
+                                  "--compare-exact", "--decode", "int8", "--prefill", "int8"])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
-    assert set(data["arms"]) == {"int4", "baseline"}
+    assert set(data["arms"]) == {"int4", "exact", "baseline"} and data["activations"] == "decode=int8,prefill=int8"
     assert data["arms"]["int4"]["tg_median"] > 0 and data["arms"]["baseline"]["pp_median"] > 0
     assert 0 < data["ratios_int4_over_baseline"]["rss_anon_after_load"] < 1
+    assert data["ratios_int4_over_exact"]["pp_median"] > 0
 
 
 def test_every_end_of_sequence_id_of_the_folders_generation_config_stops_generation(tiny_q, byte_tokenizer, tmp_path):

@@ -100,7 +100,8 @@ def fuse_linears(members: list[Int4Linear]) -> Int4Linear:
     biases = [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16) for m in members]
     bias = torch.cat(biases) if any(m.bias is not None for m in members) else None
     kwargs = dict(threshold=first.threshold, prefill_dequant=first.prefill_dequant,
-                  direct_dequant=first.direct, use_custom_op=first.use_custom_op, bias=bias)
+                  direct_dequant=first.direct, use_custom_op=first.use_custom_op, bias=bias,
+                  int8_decode=first.int8_decode, int8_prefill=first.int8_prefill)
     whole_blocks = all(m.out_features % TINYGEMM_N_BLOCK == 0 for m in members)
     row_major = None
     if not whole_blocks or any(m.packed is not None for m in members):
@@ -124,7 +125,8 @@ def fuse_projections(model: torch.nn.Module) -> int:
             members = [getattr(parent, n, None) for n in names]
             if not all(type(m) is Int4Linear for m in members):
                 continue
-            if len({(m.in_features, m.group_size, m.threshold, m.prefill_dequant) for m in members}) != 1:
+            if len({(m.in_features, m.group_size, m.threshold, m.prefill_dequant, m.int8_decode, m.int8_prefill)
+                    for m in members}) != 1:
                 continue
             group = Int4Group(fuse_linears(members), [m.out_features for m in members])
             parent.add_module("_".join(names) + "_fused", group)

@@ -25,6 +25,7 @@ from ...formats.packing import (
 from ...methods.grid import dequantize_codes
 from ..native.dequant import dequantize_int4pack
 from ..native.gemv import int4pack_mm
+from ..native.w4a8 import w4a8_usable
 
 log = logging.getLogger(__name__)
 _warned_layout = False
@@ -34,13 +35,16 @@ _warned_layout = False
 def int4_linear_op(
     x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int, threshold: int, prefill_dequant: bool,
     direct: bool, packed: torch.Tensor | None, scale: torch.Tensor | None, zero: torch.Tensor | None,
+    int8_decode: bool, int8_prefill: bool,
 ) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] bf16. Opaque to torch.compile, so the row-count branch is no guard."""
-    return _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero)
+    return _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero,
+                        int8_decode, int8_prefill)
 
 
 @int4_linear_op.register_fake
-def _(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero):
+def _(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero, int8_decode,
+      int8_prefill):
     return x.new_empty((x.shape[0], int4pack.shape[0]))
 
 
@@ -50,7 +54,17 @@ def takes_prefill_path(rows: int, threshold: int, prefill_dequant: bool) -> bool
     return prefill_dequant and rows >= threshold
 
 
-def _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero):
+def takes_int8_path(rows: int, threshold: int, int8_decode: bool, int8_prefill: bool, int4pack: torch.Tensor,
+                    group_size: int) -> bool:
+    """Whether ``rows`` rows are multiplied with int8 activations: decode (fewer rows than
+    ``threshold``) or prefill, as chosen, where the operator reads this weight on this machine."""
+    return (int8_prefill if rows >= threshold else int8_decode) and w4a8_usable(int4pack, group_size)
+
+
+def _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero,
+                 int8_decode, int8_prefill):
+    if takes_int8_path(x.shape[0], threshold, int8_decode, int8_prefill, int4pack, group_size):
+        return torch.ops.int4q_native.w4a8_mm(x, int4pack, sz, group_size)
     weight = None
     if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
         weight = _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero)
@@ -93,17 +107,20 @@ class Int4Linear(torch.nn.Module):
     """y = x W^T (+ b) with W stored as 4-bit codes in the tinygemm layout plus [G, N, 2] bf16 params.
 
     Buffers: ``int4pack`` uint8 [N, K/2], ``sz`` bf16 [G, N, 2]; ``packed``/``scale``/``zero``
-    (row-major) only when the prefill path cannot decode the kernel layout.
+    (row-major) only when the prefill path cannot decode the kernel layout. ``int8_decode`` and
+    ``int8_prefill``: multiply those rows with int8 activations (see :mod:`..activations`).
     """
 
     def __init__(self, int4pack, sz, group_size: int, threshold: int = 2, prefill_dequant: bool = True,
-                 direct_dequant: bool = True, use_custom_op: bool = True, bias=None, row_major=None):
+                 direct_dequant: bool = True, use_custom_op: bool = True, bias=None, row_major=None,
+                 int8_decode: bool = False, int8_prefill: bool = False):
         super().__init__()
         self.out_features, half = int4pack.shape
         self.in_features = half * 2
         self.group_size = group_size
         self.threshold, self.prefill_dequant = threshold, prefill_dequant
         self.use_custom_op = use_custom_op
+        self.int8_decode, self.int8_prefill = int8_decode, int8_prefill
         self.register_buffer("int4pack", int4pack, persistent=False)
         self.register_buffer("sz", sz, persistent=False)
         self.direct = bool(prefill_dequant and direct_dequant and _layout_usable(self.out_features))
@@ -126,7 +143,7 @@ class Int4Linear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         args = (x2, self.int4pack, self.sz, self.group_size, self.threshold, self.prefill_dequant, self.direct,
-                self.packed, self.scale, self.zero)
+                self.packed, self.scale, self.zero, self.int8_decode, self.int8_prefill)
         if self.use_custom_op and torch.compiler.is_compiling():
             out = int4_linear_op(*args)
         else:  # eager: the op's dispatch would only add overhead
@@ -137,7 +154,8 @@ class Int4Linear(torch.nn.Module):
         """The transient bf16 weight [N, K] that :meth:`forward` multiplies ``rows`` rows by in eager
         mode, or None where those rows go through the decode kernel (or torch.compile traces)."""
         if not takes_prefill_path(rows, self.threshold, self.prefill_dequant) or (
-                self.use_custom_op and torch.compiler.is_compiling()):
+                self.use_custom_op and torch.compiler.is_compiling()) or takes_int8_path(
+                rows, self.threshold, self.int8_decode, self.int8_prefill, self.int4pack, self.group_size):
             return None
         return _prefill_weight(self.int4pack, self.sz, self.group_size, self.direct, self.packed, self.scale,
                                self.zero)
@@ -153,7 +171,7 @@ class Int4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"direct_dequant={self.direct}")
+                f"direct_dequant={self.direct}, int8_decode={self.int8_decode}, int8_prefill={self.int8_prefill}")
 
 
 class Int4Lookup(torch.nn.Embedding):

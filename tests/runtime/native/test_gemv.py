@@ -10,7 +10,7 @@ from quantizer.runtime.native import gemv
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native.build import NativeUnavailable
 
-from conftest import kernel_layout_weight
+from conftest import at_thread_counts, kernel_layout_weight
 
 tinygemm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -60,14 +60,7 @@ def test_gemv_agrees_with_tinygemm_on_nearly_every_output(operator):
 
 def test_gemv_does_not_depend_on_the_thread_count(operator):
     x, int4pack, sz, _ = problem(5, 3, 64, seed=8)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(operator(x, int4pack, sz, 64))
-    finally:
-        torch.set_num_threads(before)
+    outs = at_thread_counts(lambda: operator(x, int4pack, sz, 64))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

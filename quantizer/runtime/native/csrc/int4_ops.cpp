@@ -1,8 +1,9 @@
-// int4q's operators, torch.ops.int4q_native: the decode GEMV of int4_gemv.c (a compiled decode
-// step calls it from C++ like any ATen kernel; a Python operator would cost more per call than the
-// kernel saves), the prefill dequantization of int4_dequant.c, mean_square (below), and the
-// vector path they run. Built when int4q is installed (setup.py), or on first use from a source
-// checkout (quantizer/runtime/native/build.py); threads come from ATen's pool.
+// int4q's operators, torch.ops.int4q_native (the int8-activation ones are in w4a8_ops.cpp): the
+// decode GEMV of int4_gemv.c (a compiled decode step calls it from C++ like any ATen kernel; a
+// Python operator would cost more per call than the kernel saves), the prefill dequantization of
+// int4_dequant.c, mean_square (below), and the vector path they run. Built when int4q is installed
+// (setup.py), or on first use from a source checkout (quantizer/runtime/native/build.py); threads
+// come from ATen's pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

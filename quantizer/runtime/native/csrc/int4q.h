@@ -1,6 +1,7 @@
-/* The C interface of int4q's kernels (int4_gemv.c, int4_dequant.c, gram_bf16.c, gptq_columns.c) to their operators
- * (int4_ops.cpp), and the vector paths they choose between at run time. The sources may be
- * compiled as C or as C++; the interface has C linkage either way. */
+/* The C interface of int4q's kernels (int4_gemv.c, int4_w4a8.c, int4_dequant.c, gram_bf16.c,
+ * gptq_columns.c) to their operators (int4_ops.cpp, w4a8_ops.cpp), and the vector paths they
+ * choose between at run time. The sources may be compiled as C or as C++; the interface has C
+ * linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
@@ -26,6 +27,13 @@ int int4q_gemv_available(void);
 void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum);
 void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
                        int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
+
+int int4q_w4a8_available(void);
+void int4q_quantize_row(const uint16_t *x, int64_t k, int64_t group_size, int8_t *xq, float *xscale,
+                        int32_t *xqsum, float *xsum);
+void int4q_w4a8_blocks(const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum, int64_t m,
+                       const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
+                       int64_t group_size, int64_t first, int64_t last);
 
 #define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
 #define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
