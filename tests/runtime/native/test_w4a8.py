@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from quantizer.formats import packing
 from quantizer.runtime.activations import ENV
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native import w4a8
@@ -27,9 +28,13 @@ def fresh_choice(monkeypatch):
     monkeypatch.setattr(w4a8, "_choice", [])
 
 
-def problem(rows: int, blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6):
-    """x [rows, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
+def problem(rows: int, blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6,
+            symmetric: bool = False):
+    """x [rows, K], the kernel-layout weight (zero 0 on a symmetric grid), and its codes/scale/zero, seeded."""
     codes, scale, zero, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
+    if symmetric:
+        zero = torch.zeros_like(zero)
+        sz = packing.scales_and_zeros(scale, zero)
     gen = torch.Generator().manual_seed(seed + 1)
     k = codes.shape[1]
     x = (torch.randn(rows, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (rows, k), generator=gen))
@@ -53,9 +58,9 @@ def test_activations_round_to_int8_per_group_within_half_a_step():
 @settings(max_examples=80, deadline=None)
 @given(rows=st.integers(1, 13), blocks=st.integers(1, 3), groups=st.integers(1, 4),
        group_size=st.sampled_from([4, 12, 16, 32, 36, 64, 128, 256]), seed=st.integers(0, 2**31 - 1),
-       scale_exp=st.integers(-30, 20))
-def test_w4a8_is_its_reference_up_to_rounding(operator, rows, blocks, groups, group_size, seed, scale_exp):
-    x, int4pack, sz, parts = problem(rows, blocks, groups, group_size, seed, scale_exp)
+       scale_exp=st.integers(-30, 20), symmetric=st.booleans())
+def test_w4a8_is_its_reference_up_to_rounding(operator, rows, blocks, groups, group_size, seed, scale_exp, symmetric):
+    x, int4pack, sz, parts = problem(rows, blocks, groups, group_size, seed, scale_exp, symmetric)
     got = operator(x, int4pack, sz, group_size)
     assert got.shape == (rows, int4pack.shape[0]) and got.dtype == torch.bfloat16
     assert w4a8.within_rounding(got, x, *parts)
