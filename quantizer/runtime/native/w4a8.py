@@ -59,13 +59,19 @@ def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, sca
 
 
 def load() -> bool:
-    """Load the library and check the operator; NativeUnavailable says why it cannot be used. A CPU
-    without the instructions is a silent False where int8 is only the default, not the user's choice."""
+    """Load the library and check the operator; NativeUnavailable says why it cannot be used. Where
+    int8 is only the default, not the user's choice, a CPU without the instructions or a library
+    that cannot load (the exact paths already say so) is a silent False."""
     if not CPU_FEATURES <= set(machine_identity().split()):
         if not chosen_explicitly():
             return False
         raise NativeUnavailable("this CPU lacks AVX-512 VBMI or VNNI")
-    library = ops()
+    try:
+        library = ops()
+    except NativeUnavailable:
+        if not chosen_explicitly():
+            return False
+        raise
     if not library.w4a8_available():
         raise NativeUnavailable("the int8 kernel is limited off on this CPU")
     self_test()

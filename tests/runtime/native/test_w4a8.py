@@ -135,6 +135,26 @@ def test_where_int8_is_only_the_default_a_cpu_without_it_falls_back_silently(fre
     assert [r for r in caplog.records if r.levelno == logging.WARNING] == []
 
 
+def test_a_library_that_cannot_load_warns_only_where_int8_was_asked_for(fresh_choice, monkeypatch, caplog):
+    def unavailable():
+        raise NativeUnavailable("no c++ here")
+
+    monkeypatch.setattr(w4a8, "ops", unavailable)
+    _, int4pack, _, _ = problem(1, 1, 2, 64, seed=12)
+    warned = []
+    for setting in (None, "prefill=int8"):
+        monkeypatch.setattr(w4a8, "_choice", [])
+        if setting:
+            monkeypatch.setenv(ENV, setting)
+        else:
+            monkeypatch.delenv(ENV, raising=False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert not w4a8.w4a8_usable(int4pack, 64)
+        warned.append([r.getMessage() for r in caplog.records if r.levelno == logging.WARNING])
+    assert warned[0] == [] and len(warned[1]) == 1 and "no c++ here" in warned[1][0]
+
+
 def test_a_weight_the_kernel_cannot_read_is_not_taken(operator):
     _, int4pack, _, _ = problem(1, 1, 2, 64, seed=13)
     assert w4a8.w4a8_usable(int4pack, 64) and not w4a8.w4a8_usable(int4pack, 6)

@@ -22,7 +22,7 @@
 
 #define BLOCK 64 /* output channels per block of the layout */
 #define RUN 32   /* bytes per (block, k) run */
-#define MAX_ROWS 6
+#define MAX_ROWS 6 /* rows per register tile: 12 int32 and 12 fp32 accumulators */
 #define PREFETCH_BYTES 2048 /* ahead in a block's stream, as in int4_gemv.c */
 
 static inline float bf16_to_float(uint16_t h) {
