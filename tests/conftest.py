@@ -127,6 +127,22 @@ def kernel_layout_weight(blocks: int, groups: int, group_size: int, seed: int, s
     return codes, scale, zero, packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
 
 
+def kernel_layout_problem(rows: int, blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6,
+                          symmetric: bool = False):
+    """x bf16 [rows, K] of magnitudes 2^-3..2^2 and the weight of :func:`kernel_layout_weight` (zero 0
+    on a symmetric grid): (x, int4pack, sz, (codes, scale, zero)). Seeded."""
+    from quantizer.formats import packing
+
+    codes, scale, zero, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
+    if symmetric:
+        zero = torch.zeros_like(zero)
+        sz = packing.scales_and_zeros(scale, zero)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = codes.shape[1]
+    x = torch.randn(rows, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (rows, k), generator=gen)
+    return x.to(torch.bfloat16), int4pack, sz, (codes, scale, zero)
+
+
 def at_thread_counts(compute, counts=(1, 2, 3)) -> list:
     """``compute()`` under each of torch's thread counts in turn; the count is restored afterwards."""
     before = torch.get_num_threads()

@@ -10,7 +10,7 @@ from quantizer.runtime.native import gemv
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native.build import NativeUnavailable
 
-from conftest import at_thread_counts, kernel_layout_weight
+from conftest import at_thread_counts, kernel_layout_problem
 
 tinygemm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
@@ -29,12 +29,8 @@ def fresh_choice(monkeypatch):
 
 
 def problem(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6):
-    """x [1, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
-    codes, scale, zero, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
-    gen = torch.Generator().manual_seed(seed + 1)
-    k = codes.shape[1]
-    x = (torch.randn(1, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (1, k), generator=gen)).to(torch.bfloat16)
-    return x, int4pack, sz, (codes, scale, zero)
+    """One row x [1, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
+    return kernel_layout_problem(1, blocks, groups, group_size, seed, scale_exp)
 
 
 def test_the_operator_is_used_exactly_where_the_cpu_has_its_instructions():

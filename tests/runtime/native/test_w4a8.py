@@ -6,13 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from quantizer.formats import packing
 from quantizer.runtime.activations import ENV
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native import w4a8
 from quantizer.runtime.native.build import NativeUnavailable
 
-from conftest import at_thread_counts, kernel_layout_weight
+from conftest import at_thread_counts, kernel_layout_problem
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +25,6 @@ def operator():
 def fresh_choice(monkeypatch):
     """has_w4a8 decides again; its process-wide answer is restored afterwards."""
     monkeypatch.setattr(w4a8, "_choice", [])
-
-
-def problem(rows: int, blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6,
-            symmetric: bool = False):
-    """x [rows, K], the kernel-layout weight (zero 0 on a symmetric grid), and its codes/scale/zero, seeded."""
-    codes, scale, zero, int4pack, sz = kernel_layout_weight(blocks, groups, group_size, seed, scale_exp)
-    if symmetric:
-        zero = torch.zeros_like(zero)
-        sz = packing.scales_and_zeros(scale, zero)
-    gen = torch.Generator().manual_seed(seed + 1)
-    k = codes.shape[1]
-    x = (torch.randn(rows, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (rows, k), generator=gen))
-    return x.to(torch.bfloat16), int4pack, sz, (codes, scale, zero)
 
 
 def test_the_operator_is_used_exactly_where_the_cpu_has_its_instructions():
@@ -60,7 +46,7 @@ def test_activations_round_to_int8_per_group_within_half_a_step():
        group_size=st.sampled_from([4, 12, 16, 32, 36, 64, 128, 256]), seed=st.integers(0, 2**31 - 1),
        scale_exp=st.integers(-30, 20), symmetric=st.booleans())
 def test_w4a8_is_its_reference_up_to_rounding(operator, rows, blocks, groups, group_size, seed, scale_exp, symmetric):
-    x, int4pack, sz, parts = problem(rows, blocks, groups, group_size, seed, scale_exp, symmetric)
+    x, int4pack, sz, parts = kernel_layout_problem(rows, blocks, groups, group_size, seed, scale_exp, symmetric)
     got = operator(x, int4pack, sz, group_size)
     assert got.shape == (rows, int4pack.shape[0]) and got.dtype == torch.bfloat16
     assert w4a8.within_rounding(got, x, *parts)
@@ -80,20 +66,20 @@ def test_the_kernel_rounds_activations_as_its_reference_does_bit_for_bit(operato
 
 
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(operator):
-    x, int4pack, sz, _ = problem(11, 2, 3, 64, seed=4)
+    x, int4pack, sz, _ = kernel_layout_problem(11, 2, 3, 64, seed=4)
     batch = operator(x, int4pack, sz, 64)
     for r in range(11):
         assert torch.equal(operator(x[r:r + 1], int4pack, sz, 64), batch[r:r + 1])
 
 
 def test_w4a8_does_not_depend_on_the_thread_count(operator):
-    x, int4pack, sz, _ = problem(70, 5, 3, 64, seed=8)
+    x, int4pack, sz, _ = kernel_layout_problem(70, 5, 3, 64, seed=8)
     outs = at_thread_counts(lambda: operator(x, int4pack, sz, 64))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_int8_activations_stay_close_to_the_exact_product(operator):
-    x, int4pack, sz, (codes, scale, zero) = problem(16, 4, 8, 64, seed=5)
+    x, int4pack, sz, (codes, scale, zero) = kernel_layout_problem(16, 4, 8, 64, seed=5)
     w = (codes.double() - 8) * scale.double().repeat_interleave(64, 1) + zero.double().repeat_interleave(64, 1)
     exact = x.double() @ w.t()
     got = operator(x, int4pack, sz, 64).double()
@@ -101,7 +87,7 @@ def test_int8_activations_stay_close_to_the_exact_product(operator):
 
 
 def test_wrong_inputs_are_refused_with_a_message(operator):
-    x, int4pack, sz, _ = problem(2, 1, 2, 64, seed=11)
+    x, int4pack, sz, _ = kernel_layout_problem(2, 1, 2, 64, seed=11)
     for args, message in [((x.float(), int4pack, sz, 64), "x must be bf16"),
                           ((x[:, :64], int4pack, sz, 64), "x must be"), ((x, int4pack, sz, 32), "sz must be"),
                           ((x, int4pack, sz, 62), "group of 4s")]:
@@ -119,7 +105,7 @@ def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch
 def test_a_cpu_without_the_instructions_warns_once_and_int8_is_not_used(fresh_choice, monkeypatch, caplog):
     monkeypatch.setenv(ENV, "prefill=int8")  # the user's choice, not the default
     monkeypatch.setattr(w4a8, "machine_identity", lambda: "avx512f avx512bw")
-    _, int4pack, _, _ = problem(1, 1, 2, 64, seed=12)
+    _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=12)
     with caplog.at_level(logging.WARNING):
         assert not any(w4a8.w4a8_usable(int4pack, 64) for _ in range(3))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -129,7 +115,7 @@ def test_a_cpu_without_the_instructions_warns_once_and_int8_is_not_used(fresh_ch
 def test_where_int8_is_only_the_default_a_cpu_without_it_falls_back_silently(fresh_choice, monkeypatch, caplog):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(w4a8, "machine_identity", lambda: "avx512f avx512bw")
-    _, int4pack, _, _ = problem(1, 1, 2, 64, seed=12)
+    _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=12)
     with caplog.at_level(logging.WARNING):
         assert not w4a8.w4a8_usable(int4pack, 64)
     assert [r for r in caplog.records if r.levelno == logging.WARNING] == []
@@ -140,7 +126,7 @@ def test_a_library_that_cannot_load_warns_only_where_int8_was_asked_for(fresh_ch
         raise NativeUnavailable("no c++ here")
 
     monkeypatch.setattr(w4a8, "ops", unavailable)
-    _, int4pack, _, _ = problem(1, 1, 2, 64, seed=12)
+    _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=12)
     warned = []
     for setting in (None, "prefill=int8"):
         monkeypatch.setattr(w4a8, "_choice", [])
@@ -156,6 +142,6 @@ def test_a_library_that_cannot_load_warns_only_where_int8_was_asked_for(fresh_ch
 
 
 def test_a_weight_the_kernel_cannot_read_is_not_taken(operator):
-    _, int4pack, _, _ = problem(1, 1, 2, 64, seed=13)
+    _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=13)
     assert w4a8.w4a8_usable(int4pack, 64) and not w4a8.w4a8_usable(int4pack, 6)
     assert not w4a8.w4a8_usable(int4pack[:32], 64)

@@ -19,13 +19,6 @@
 #define BLOCK 64  /* output channels per block of the layout */
 #define RUN 32    /* bytes per (block, k) run */
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -37,7 +30,7 @@ static inline uint16_t float_to_bf16(float f) {
 static void fill_tables(uint16_t tables[BLOCK][16], const uint16_t *sz, int64_t n, int64_t b, int64_t g) {
     for (int ch = 0; ch < BLOCK; ch++) {
         const uint16_t *p = sz + (g * n + b * BLOCK + ch) * 2;
-        float scale = bf16_to_float(p[0]), zero = bf16_to_float(p[1]);
+        float scale = int4q_bf16_to_float(p[0]), zero = int4q_bf16_to_float(p[1]);
         for (int q = 0; q < 16; q++) tables[ch][q] = float_to_bf16((float)(q - 8) * scale + zero);
     }
 }
@@ -68,8 +61,8 @@ AVX512 static void fill_tables_simd(__m256i tables[BLOCK], const uint16_t *sz, i
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
     const uint16_t *p = sz + (g * n + b * BLOCK) * 2;
     for (int ch = 0; ch < BLOCK; ch++) {
-        const __m512 v = _mm512_fmadd_ps(steps, _mm512_set1_ps(bf16_to_float(p[2 * ch])),
-                                         _mm512_set1_ps(bf16_to_float(p[2 * ch + 1])));
+        const __m512 v = _mm512_fmadd_ps(steps, _mm512_set1_ps(int4q_bf16_to_float(p[2 * ch])),
+                                         _mm512_set1_ps(int4q_bf16_to_float(p[2 * ch + 1])));
         const __m512i u = _mm512_castps_si512(v);
         const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
         __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, half)), 16);

@@ -86,12 +86,7 @@ int int4q_gemv_available(void) {
 void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum) {
     for (int64_t g = 0; g < k / group_size; g++) {
         float s = 0;
-        for (int64_t i = 0; i < group_size; i++) {
-            const uint32_t u = (uint32_t)x[g * group_size + i] << 16;
-            float f;
-            memcpy(&f, &u, sizeof f);
-            s += f;
-        }
+        for (int64_t i = 0; i < group_size; i++) s += int4q_bf16_to_float(x[g * group_size + i]);
         xsum[g] = s;
     }
 }

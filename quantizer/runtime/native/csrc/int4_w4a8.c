@@ -25,26 +25,19 @@
 #define MAX_ROWS 6 /* rows per register tile: 12 int32 and 12 fp32 accumulators */
 #define PREFETCH_BYTES 2048 /* ahead in a block's stream, as in int4_gemv.c */
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* The scalar quantization of one group (any group size). */
 static void quantize_group(const uint16_t *x, int64_t group_size, int8_t *xq, float *xscale, int32_t *xqsum,
                            float *xsum) {
     float amax = 0, sum = 0;
     for (int64_t i = 0; i < group_size; i++) {
-        const float v = bf16_to_float(x[i]);
+        const float v = int4q_bf16_to_float(x[i]);
         sum += v;
         amax = fmaxf(amax, fabsf(v));
     }
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
     int32_t qsum = 0;
     for (int64_t i = 0; i < group_size; i++) {
-        const int32_t q = (int32_t)rintf(bf16_to_float(x[i]) * inv);
+        const int32_t q = (int32_t)rintf(int4q_bf16_to_float(x[i]) * inv);
         xq[i] = (int8_t)q;
         qsum += q;
     }

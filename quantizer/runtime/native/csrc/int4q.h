@@ -6,6 +6,7 @@
 #define INT4Q_H
 
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define INT4Q_X86 1
@@ -16,6 +17,14 @@
 #define INT4Q_PORTABLE 0    /* plain C */
 #define INT4Q_AVX512 1      /* AVX-512 F, BW, VL and VBMI */
 #define INT4Q_AVX512_BF16 2 /* and AVX512_BF16 */
+
+/* The fp32 value of bf16 bits (exact). */
+static inline float int4q_bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 #ifdef __cplusplus
 extern "C" {

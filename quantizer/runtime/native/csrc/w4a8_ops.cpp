@@ -58,7 +58,6 @@ at::Tensor w4a8_mm(const at::Tensor &x, const at::Tensor &int4pack, const at::Te
     at::Tensor out = at::empty({m, n}, x.options());
     if (m == 0) return out;
     const at::Tensor packc = int4pack.contiguous(), szc = sz.contiguous();
-    // the caller's buffers, kept between calls: a decode step makes a hundred of them
     // the calling thread's buffers, kept between calls (a decode step makes a hundred); the workers
     // see them through these pointers (a thread_local named in the lambda would be the worker's own)
     thread_local std::vector<int8_t> xq_buffer;
