@@ -3,7 +3,8 @@
 For one bf16 model: llama.cpp's converter writes the bf16 GGUF (the reference); ``llama-imatrix``
 makes an importance matrix from the calibration text int4q calibrates on (the first half of
 CPython's pydoc_data.topics); ``llama-quantize`` writes each type with and without it; int4q
-writes the same types with each method. Every file is then scored by ``llama-perplexity
+writes the same types with each method, and ``llama-quantize`` once more with the importance
+matrix int4q's weighted run wrote (``--imatrix-out``). Every file is then scored by ``llama-perplexity
 --kl-divergence`` against the bf16 logits on the held-out half (mean KLD, same top token, PPL
 ratio) and timed by ``llama-bench`` (pp512, tg128), one file at a time, same threads.
 
@@ -117,12 +118,28 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
             start = time.perf_counter()
             if not out.exists():
                 calib = [*(["--nsamples", args.nsamples] if args.nsamples else []),
-                         *(["--seqlen", args.seqlen] if args.seqlen else [])] if method != "minmax" else []
+                         *(["--seqlen", args.seqlen] if args.seqlen else []),
+                         "--imatrix-out", work / f"int4q-{label}-{method}-imatrix.gguf", "--overwrite"] \
+                    if method != "minmax" else []
                 sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
                     "gguf", "--gguf-type", itype, "--recipe", "table8", "--method", method, "--no-progress", *calib],
                    log)
             made.append((f"int4q {ltype} {method}", out, time.perf_counter() - start))
+        if "weighted" in args.methods:
+            made.append(with_int4q_imatrix(args, work, label, log))
     return made
+
+
+def with_int4q_imatrix(args, work: Path, label: str, log: Path) -> tuple[str, Path, float]:
+    """llama-quantize's file made with the importance matrix int4q's weighted run wrote."""
+    ltype, _ = TYPES[label]
+    out = work / f"llama-{label}-int4q-imatrix.gguf"
+    start = time.perf_counter()
+    if not out.exists():
+        sh([args.llama_bin / "llama-quantize", "--imatrix", work / f"int4q-{label}-weighted-imatrix.gguf",
+            *(["--pure"] if label in PURE else []), "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
+            work / "bf16.gguf", out, ltype], log)
+    return f"llama-quantize {ltype} + int4q's imatrix (weighted run)", out, time.perf_counter() - start
 
 
 def main() -> None:

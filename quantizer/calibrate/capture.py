@@ -20,6 +20,9 @@ class Accumulator(Protocol):
         """Become the statistic over every process's inputs; ``sum_across`` sums a tensor in
         place over the processes."""
 
+    def column_mean_square(self) -> tuple[torch.Tensor, int]:
+        """(each input column's mean x² [K] fp32, the number of input rows it is over)."""
+
 
 class _Stop(Exception):
     """Raised from a hook to end a forward pass once the wanted inputs are captured."""

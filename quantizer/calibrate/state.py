@@ -51,6 +51,29 @@ def layer_file(state_dir: Path, index: int) -> Path:
     return state_dir / f"layer-{index:05d}.safetensors"
 
 
+def importance_file(state_dir: Path, index: int) -> Path:
+    """Layer ``index``'s input statistics: each quantized linear's column mean squares."""
+    return state_dir / f"importance-{index:05d}.safetensors"
+
+
+ROWS_SUFFIX = "#rows"
+
+
+def load_importance(state_dir: Path, layers: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every saved layer's statistics: module -> (column mean squares [K] fp32, input rows)."""
+    found = {}
+    for i in range(layers):
+        tensors = read_safetensors(importance_file(state_dir, i))
+        found.update({name: (t, int(tensors[name + ROWS_SUFFIX].item()))
+                      for name, t in tensors.items() if not name.endswith(ROWS_SUFFIX)})
+    return found
+
+
+def _importance_tensors(importance: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    tensors = {name: mean.to(torch.float32).contiguous() for name, (mean, _) in importance.items()}
+    return {**tensors, **{name + ROWS_SUFFIX: torch.tensor([rows]) for name, (_, rows) in importance.items()}}
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -76,7 +99,8 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
         raise BadResumeState(f"{path} is corrupt; {restart}") from None
     if state.get("fingerprint") != fp:
         raise BadResumeState(f"the interrupted run was made with different inputs or settings; {restart}")
-    needed = [layer_file(state_dir, i) for i in range(done)] + ([hidden_file(state_dir, done, ranks)] if done else [])
+    needed = [f(state_dir, i) for i in range(done) for f in (layer_file, importance_file)]
+    needed += [hidden_file(state_dir, done, ranks)] if done else []
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
         raise BadResumeState(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
@@ -100,13 +124,16 @@ def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor
 
 
 def save_layer(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_tuple: bool,
-               layer_tensors: dict[str, torch.Tensor] | None, hidden: torch.Tensor, ranks: Ranks = SINGLE) -> None:
-    """Persist one finished layer: rank 0 its tensors, every rank its own hidden states (each file
-    under a name of its own, written to a temporary name and renamed); once all have, rank 0
-    writes the state that says the layer is done; only then the previous hidden states go."""
+               layer_tensors: dict[str, torch.Tensor] | None, hidden: torch.Tensor, ranks: Ranks = SINGLE,
+               importance: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:
+    """Persist one finished layer: rank 0 its tensors and its linears' input statistics
+    (``importance``: module -> (column mean squares, rows)), every rank its own hidden states
+    (each file under a name of its own, written to a temporary name and renamed); once all have,
+    rank 0 writes the state that says the layer is done; only then the previous hidden states go."""
     files = [(hidden_file(state_dir, layers_done, ranks), {"hidden": hidden})]
     if ranks.is_main:
-        files.insert(0, (layer_file(state_dir, layers_done - 1), layer_tensors))
+        files[:0] = [(layer_file(state_dir, layers_done - 1), layer_tensors),
+                     (importance_file(state_dir, layers_done - 1), _importance_tensors(importance or {}))]
     for path, tensors in files:
         _write_atomically(path, tensors)
     ranks.barrier()

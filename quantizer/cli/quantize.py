@@ -100,10 +100,14 @@ def _bits(value: str | None) -> int | None:
               help="[gguf] The 4-bit block type: q4_0 (symmetric, --sym), q4_1 (asymmetric, the default) or q4_k "
                    "(asymmetric super-blocks of 256, Q4_1 for rows 256 does not divide); 8-bit modules are Q8_0, "
                    "kept ones as llama.cpp's converter writes them.")
+@click.option("--imatrix-out", type=click.Path(path_type=Path, dir_okay=False),
+              help="[gptq, weighted] Also write the calibration's per-column mean squared activations as llama.cpp's "
+                   "importance-matrix file (.gguf, as llama-imatrix writes it), for llama-quantize --imatrix. "
+                   "Any --format; needs llama.cpp's converter for the tensor names.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
              calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
-             gguf_type):
+             gguf_type, imatrix_out):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from ..calibrate.windows import CalibrationSettings
     from ..errors import UsageError
@@ -130,7 +134,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     )
     settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
     request = QuantizeRequest(model, out, options, overwrite, base_model, calib,
-                              CalibrationSettings(nsamples, seqlen, seed, calib_precision), settings, resume, device)
+                              CalibrationSettings(nsamples, seqlen, seed, calib_precision), settings, resume, device,
+                              imatrix_out)
     start = time.perf_counter()
     shown = _ShownProgress(progress)
     try:
@@ -147,6 +152,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         f"{s.source_bytes / 1e6:.1f} MB -> {s.output_bytes / 1e6:.1f} MB in "
         f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mb():.0f} MiB -> {out}"
     )
+    if imatrix_out:
+        click.echo(f"the calibration's importance matrix, for llama-quantize --imatrix -> {imatrix_out}")
 
 
 class _ShownProgress:

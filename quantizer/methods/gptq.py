@@ -82,6 +82,10 @@ class HessianAccumulator:
         H /= max(total, 1)
         self.n = total
 
+    def column_mean_square(self) -> tuple[torch.Tensor, int]:
+        """(each input column's mean x² [K] fp32, the rows it is over): half H's diagonal."""
+        return self.H.diagonal() / 2, self.n
+
     def factor(self, damp: float, act_order: bool) -> "HessianFactor":
         """:func:`factorize` of this H, kept until H changes."""
         key = (damp, act_order)

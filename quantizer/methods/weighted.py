@@ -37,6 +37,10 @@ class ColumnMeanSquare:
         """[K] fp32; zeros before any input."""
         return (self.sum / max(self.n, 1)).to(torch.float32)
 
+    def column_mean_square(self) -> tuple[torch.Tensor, int]:
+        """(:attr:`value`, the rows it is over)."""
+        return self.value, self.n
+
 
 @dataclass(frozen=True)
 class WeightedRtnMethod:

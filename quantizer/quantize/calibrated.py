@@ -18,10 +18,12 @@ from .planning import QuantizationPlan
 
 def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text: str | None, calib_origin: str,
                    windows_settings: CalibrationSettings, method_settings=None, resume: bool = False,
-                   progress: Callable[[str], None] | None = None, ranks: Ranks = SINGLE, step=None) -> dict | None:
+                   progress: Callable[[str], None] | None = None, ranks: Ranks = SINGLE, step=None,
+                   keep_importance=None) -> dict | None:
     """Quantize ``plan`` with its calibrated method (its own ``method_settings``; None: the
     defaults) into ``out_dir`` (the partial folder). Rank 0 tokenizes the text (the other ranks
-    pass None for it and the tokenizer) and returns the report; the other ranks return None."""
+    pass None for it and the tokenizer) and returns the report; the other ranks return None.
+    ``keep_importance``: as for :func:`~quantizer.quantize.layerwise.run_layerwise`."""
     info = get_method(plan.options.method)
     method = info.make(method_settings, plan.storage)
     s = windows_settings.resolved(info.default_nsamples)
@@ -40,4 +42,4 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
         raise InputError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world_size} "
                          "processes; raise --nsamples or start fewer processes")
     return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks, step=step,
-                         dtype=s.dtype)
+                         dtype=s.dtype, keep_importance=keep_importance)

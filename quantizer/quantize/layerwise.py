@@ -49,6 +49,7 @@ from .streamed import quantize_module, refuse_non_finite
 
 Say = Callable[[str], None]
 Step = Callable[[str, int, int, str], None]  # (what, done, total, note)
+Importance = Callable[[dict[str, tuple[torch.Tensor, int]]], None]
 
 
 class LayerwiseMethod(Protocol):
@@ -86,12 +87,15 @@ def _buffers_to(model: torch.nn.Module, device: str) -> None:
 
 def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, method: LayerwiseMethod,
                   fingerprint: str, resume: bool = False, say: Say | None = None, ranks: Ranks = SINGLE,
-                  step: Step | None = None, dtype: torch.dtype = torch.bfloat16) -> dict | None:
+                  step: Step | None = None, dtype: torch.dtype = torch.bfloat16,
+                  keep_importance: Importance | None = None) -> dict | None:
     """Quantize ``plan`` with ``method`` on the calibration ``windows`` [S, T] into ``out_dir``
     (the partial folder; its state subfolder holds the progress). Each rank runs its own share of
     the windows; rank 0 returns the report, the other ranks None. ``say`` gets messages and
     ``step("layer", done, total, note)`` each finished layer. The layers run in ``dtype`` (bf16
-    as the model runs, whose activations every statistic then sums exactly in fp32; or fp32)."""
+    as the model runs, whose activations every statistic then sums exactly in fp32; or fp32).
+    ``keep_importance`` (rank 0) gets every quantized linear's input statistic, the head's under
+    the head's name: module -> (column mean squares [K] fp32, input rows)."""
     start = time.perf_counter()
     say = say or (lambda m: None)
     step = step or (lambda *a: None)
@@ -125,22 +129,29 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
         with OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
                          output_cache_budget(hidden)) as cache:
-            out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache)
+            importance: dict[str, tuple[torch.Tensor, int]] = {}
+            out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache,
+                                          importance)
             hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device, cache)
         for name in plan.reader.infos if ranks.is_main else ():
             if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
                 out_tensors[name] = plan.reader.get(name)
         layers[i].to("meta")
-        calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks)
+        calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks,
+                               importance)
         release_free_memory()
         step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
              f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
 
-    head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say)
+    head_importance: dict[str, tuple[torch.Tensor, int]] = {}
+    head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say,
+                                  head_importance)
     calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
     peaks = ranks.gather_value(peak_rss_mb())  # and every rank is done with the state folder
     if not ranks.is_main:
         return None
+    if keep_importance:
+        keep_importance({**calib_state.load_importance(state_dir, len(layers)), **head_importance})
     shards = _write_output(plan, out_dir, layers_name, len(layers), _head_target(plan), head_tensors, per_tensor)
     damping_retries = sum(e.get("damp_retries", 0) for e in per_tensor.values())
     return finish_output(plan, out_dir, shards, per_tensor, start, damping_retries=damping_retries,
@@ -149,9 +160,10 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
 
 
 def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, per_tensor, ranks: Ranks,
-                   say: Say) -> dict[str, torch.Tensor]:
+                   say: Say, importance: dict) -> dict[str, torch.Tensor]:
     """The head's (or tied table's) tensors, quantized on the final hidden states of every rank's
-    windows; solved on rank 0, the only rank that gets them."""
+    windows; solved on rank 0, the only rank that gets them (and its input statistic, into
+    ``importance`` under the head's name)."""
     head = _head_target(plan)
     if not head:
         return {}
@@ -162,6 +174,7 @@ def _quantize_head(plan, method, model, layers, hidden, own_windows, as_tuple, p
         acc.merge(ranks.sum_)
     if not ranks.is_main:
         return {}
+    importance[plan.structure.head] = acc.column_mean_square()
     weight = plan.reader.get(plan.targets[head]).to(ranks.device)
     result = _solve(plan, method, head, weight, acc, plan.scheme_of(head))
     return _record(plan, head, weight.shape, *result, per_tensor)
@@ -193,17 +206,20 @@ def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[
     return tensors
 
 
-def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict,
-                    ranks: Ranks = SINGLE, cache: OutputCache | None = None) -> dict[str, torch.Tensor]:
+def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict, ranks: Ranks = SINGLE,
+                    cache: OutputCache | None = None, importance: dict | None = None) -> dict[str, torch.Tensor]:
     """Quantize the layer's target linears step by step, leaving their dequantized weights in
-    place for the later steps; returns their checkpoint tensors (on rank 0). The ranks sum each
-    step's statistic, split its linears between them, and share the solved weights."""
+    place for the later steps; returns their checkpoint tensors (on rank 0) and puts each one's
+    input statistic into ``importance``. The ranks sum each step's statistic, split its linears
+    between them, and share the solved weights."""
     wanted = _layer_targets(plan, prefix)
     out_tensors: dict[str, torch.Tensor] = {}
     for step in capture.linear_steps(layer, hidden[:1].to(ranks.device), kwargs, wanted):
         acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device, cache)
         if ranks.distributed:
             acc.merge(ranks.sum_)
+        if importance is not None:
+            importance.update(dict.fromkeys((f"{prefix}.{name}" for name in step), acc.column_mean_square()))
         linears = [layer.get_submodule(name) for name in step]
         weights = [plan.linear_weight(f"{prefix}.{name}", linear.weight) for name, linear in zip(step, linears)]
         owners = ranks.owner_of([w.numel() for w in weights])

@@ -16,7 +16,8 @@ class QuantizeRequest:
     when neither ``model`` nor its config says it. ``windows`` and ``method_settings`` apply to
     calibrated methods (an unset ``windows.nsamples`` takes the method's default; None settings
     take the method's defaults); ``calib_text`` None is the built-in text. ``device`` is where a
-    calibrated run computes, and under torchrun which backend joins the ranks (cpu: gloo)."""
+    calibrated run computes, and under torchrun which backend joins the ranks (cpu: gloo).
+    ``imatrix_out``: a file for the run's input statistics as llama.cpp's importance matrix."""
 
     model: str
     out: Path
@@ -28,3 +29,4 @@ class QuantizeRequest:
     method_settings: object | None = None
     resume: bool = False
     device: str = "cpu"
+    imatrix_out: Path | None = None

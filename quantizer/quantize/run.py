@@ -14,6 +14,7 @@ from ..calibrate.state import STATE_DIR, BadResumeState
 from ..errors import InterruptedRun, UsageError
 from ..methods import NAMES as METHOD_NAMES
 from ..methods import get_method
+from .imatrix_out import ImatrixOutput, prepare_imatrix, write_imatrix_file
 from .planning import QuantizationPlan, plan_quantization
 from .report import QuantizeReport
 from .request import QuantizeRequest
@@ -76,8 +77,11 @@ def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> Qua
     plan = dataclasses.replace(plan, source_name=request.model,
                                base_model=base_model_id(request.model, plan.source_config, request.base_model))
     windows = request.windows.resolved(info.default_nsamples) if info.calibrated else None
+    imatrix = None
     if ranks.is_main:
-        for note in plan.notes:
+        if request.imatrix_out is not None:
+            imatrix = prepare_imatrix(request.imatrix_out, plan, info.calibrated, request.out, request.overwrite, inputs)
+        for note in plan.notes + _imatrix_notes(imatrix):
             progress.note(note)
         check_free_space(request.out, plan.disk_bytes_needed(windows.nsamples * windows.seqlen if windows else 0))
     if info.calibrated:
@@ -85,16 +89,28 @@ def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> Qua
 
     def run_folder(req: QuantizeRequest) -> QuantizeReport | None:
         if info.calibrated:
-            return _run_calibrated(plan, model_dir, req, inputs, progress, ranks)
+            return _run_calibrated(plan, model_dir, req, inputs, progress, ranks, imatrix and imatrix.keep)
         return _run_streamed(plan, req, inputs, progress)
 
     if fmt.single_file and ranks.is_main:
-        return run_single_file(plan, request, inputs, run_folder)
-    if fmt.single_file:
+        report = run_single_file(plan, request, inputs, run_folder)
+    elif fmt.single_file:
         from .single_file import blocks_dir
 
-        return run_folder(dataclasses.replace(request, out=blocks_dir(request.out)))
-    return run_folder(request)
+        report = run_folder(dataclasses.replace(request, out=blocks_dir(request.out)))
+    else:
+        report = run_folder(request)
+    if imatrix is not None:
+        write_imatrix_file(imatrix, report, request.overwrite, inputs)
+    return report
+
+
+def _imatrix_notes(imatrix: ImatrixOutput | None) -> tuple[str, ...]:
+    left_out = imatrix.names.left_out if imatrix else []
+    if not left_out:
+        return ()
+    return (f"--imatrix-out: {len(left_out)} module(s) have no GGUF weight of their own over the same inputs "
+            f"(stacked or reshaped by llama.cpp's converter), so the imatrix leaves them out: {left_out[0]}, ...",)
 
 
 def _run_streamed(plan: QuantizationPlan, request: QuantizeRequest, inputs: list[Path],
@@ -108,7 +124,7 @@ def _run_streamed(plan: QuantizationPlan, request: QuantizeRequest, inputs: list
 
 
 def _run_calibrated(plan: QuantizationPlan, model_dir: Path, request: QuantizeRequest, inputs: list[Path],
-                    progress: Progress, ranks: Ranks) -> QuantizeReport | None:
+                    progress: Progress, ranks: Ranks, keep_importance=None) -> QuantizeReport | None:
     from ..io.outdir import atomic_output_dir, partial_dir
     from ..io.text import load_text
     from ..io.tokenizer import load_tokenizer
@@ -122,7 +138,8 @@ def _run_calibrated(plan: QuantizationPlan, model_dir: Path, request: QuantizeRe
         with atomic_output_dir(request.out, request.overwrite, keep_partial=True, resume=request.resume,
                                inputs=inputs) as tmp:
             return run_calibrated(plan, tmp, tokenizer, text, origin, request.windows, request.method_settings,
-                                  resume=request.resume, progress=progress.say, ranks=ranks, step=progress.step)
+                                  resume=request.resume, progress=progress.say, ranks=ranks, step=progress.step,
+                                  keep_importance=keep_importance)
     except BaseException as e:
         if partial_dir(request.out).exists() and not isinstance(e, BadResumeState):
             raise InterruptedRun(e, f"; the finished layers are kept in {partial_dir(request.out)}: rerun the same "

@@ -23,9 +23,9 @@ def blocks_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.int4q-blocks"
 
 
-def check_file_name(out: Path, suffix: str, title: str) -> None:
+def check_file_name(out: Path, suffix: str, title: str, option: str = "--out") -> None:
     if Path(out).suffix.lower() != suffix:
-        raise InputError(f"--out {out}: {title} is one file; give it a name ending in {suffix}")
+        raise InputError(f"{option} {out}: {title} is one file; give it a name ending in {suffix}")
 
 
 def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: list[Path],

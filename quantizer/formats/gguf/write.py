@@ -6,10 +6,8 @@ from pathlib import Path
 
 from ...io.checkpoint import CheckpointReader, read_config
 from .assemble import INT4Q_CONFIG_KEY, QuantizedWeight, write_gguf
-from .converter import load
+from .converter import has_key
 from .staging import FORMAT, file_type
-
-GGUF_MAGIC = b"GGUF"
 
 
 def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeight]:
@@ -39,10 +37,4 @@ def write_from_blocks(plan, blocks: CheckpointReader, out_file: Path) -> list[st
 
 def is_int4q_gguf(path: Path) -> bool:
     """True for a GGUF file whose metadata int4q wrote."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                return False
-        return INT4Q_CONFIG_KEY in load()[1].GGUFReader(path).fields
-    except (OSError, ValueError):
-        return False
+    return has_key(path, INT4Q_CONFIG_KEY)
