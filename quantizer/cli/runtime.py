@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,23 +37,31 @@ def choose_activations(decode: str | None, prefill: str | None) -> None:
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads (default: torch's choice).")
-@click.option("--compile/--no-compile", default=True, show_default=True,
+@click.option("--compile/--no-compile", default=None,
               help="Use the compiled decode step (made once per model and machine, in the background; "
-                   "decoding starts eagerly meanwhile).")
-@click.option("--stats", is_flag=True, help="Print load time, time to first token and decode speed to stderr.")
+                   "decoding starts eagerly meanwhile). Default: from --max-new-tokens 1024 on, where reading "
+                   "the saved step pays for itself.")
+@click.option("--stats", is_flag=True, help="Print load time, time to first token (from the command's start) and "
+                                           "decode speed to stderr.")
 @activation_options
 def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, decode, prefill):
     """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
+    import torch
+
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
-    from ..runtime.decode.generation import GenerationStats, generate_text
+    from ..runtime.decode.background import threads_beside_worker
+    from ..runtime.decode.generation import GenerationStats, generate_text, step_pays
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     choose_activations(decode, prefill)
-    started = time.perf_counter()
+    started = time.perf_counter() - _seconds_since_process_start()
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, threads=threads)
+    threads = threads or torch.get_num_threads()
+    compile = step_pays(max_new_tokens) if compile is None else compile
+    model = load_model(model_dir, threads=threads_beside_worker(threads) if compile else threads)
+    torch.set_num_threads(threads)
     loaded = time.perf_counter()
     counts = GenerationStats()
     for piece in generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts,
@@ -65,6 +74,17 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, d
         rate = steps / (counts.last_token_at - counts.first_token_at) if steps else float("nan")
         click.echo(f"int4q: load {loaded - started:.2f} s, time to first token {counts.first_token_at - started:.2f} s "
                    f"({counts.prompt_tokens} prompt tokens), then {steps} tokens at {rate:.1f} tok/s", err=True)
+
+
+def _seconds_since_process_start() -> float:
+    """How long ago this process started (Python's own start and imports included); 0 where
+    /proc does not say."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 @click.command("compile")

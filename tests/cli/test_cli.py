@@ -285,3 +285,9 @@ def test_generate_and_bench_refuse_to_run_past_the_models_positions(tiny_model_t
     benched = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--prompt-tokens", "512", "--gen-tokens", "8",
                                         "--reps", "1", "--no-compile"])
     assert benched.exit_code == 1 and "--prompt-tokens 512 and --gen-tokens 8 make 520 positions" in benched.output
+
+
+def test_the_cli_starts_without_importing_torch_or_transformers():
+    code = "import sys, quantizer.cli.main; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -3,6 +3,7 @@ step between two tokens once a background process (or an earlier run) has saved 
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -75,6 +76,51 @@ def test_a_compile_under_way_is_not_started_twice(model, tiny_model, monkeypatch
         assert background.compile_and_save(tiny_model, torch.get_num_threads(), 64) == (artifact, "being compiled")
 
 
+def test_a_run_that_finds_a_compile_under_way_starts_no_second_one(model, tiny_model, monkeypatch, caplog):
+    monkeypatch.setattr(background, "start_worker", lambda *a: pytest.fail("started a second compile"))
+    monkeypatch.setattr(fastpath, "_warned", set())
+    artifact = fastpath.compiled_dir() / "under-way.aot"
+    monkeypatch.setattr(fastpath, "artifact_path", lambda m, variant="": artifact)
+    threads = torch.get_num_threads()
+    with background.exclusive(artifact) as held, caplog.at_level(logging.WARNING):
+        assert held and not background.saved_step_ready(artifact)
+        decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+        assert decoder.pending is not None and decoder.pending.worker is None
+        assert "while another int4q run compiles it in the background" in caplog.text
+        lent = threads >= len(os.sched_getaffinity(0))  # the other run's worker has a core of its own
+        assert torch.get_num_threads() == (max(1, threads - 1) if lent else threads)
+        assert decoder.pending.wait(timeout=1) is None and not decoder.pending.finished
+    assert decoder.pending.wait(timeout=30) is None and decoder.pending.finished  # it ended with no step saved
+    assert torch.get_num_threads() == threads
+    assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
+
+
+def test_a_worker_waits_for_a_compile_under_way_and_then_loads_nothing(tiny_model, monkeypatch):
+    import threading
+
+    artifact = fastpath.compiled_dir() / "waited.aot"
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(background, "_decoder_of", lambda *a: pytest.fail("loaded the model"))
+    released = threading.Event()
+
+    def other_compile():
+        with background.exclusive(artifact) as held:
+            assert held
+            released.wait(5)
+            artifact.write_bytes(b"saved by the other run")
+            record_digest(artifact)
+
+    other = threading.Thread(target=other_compile)
+    other.start()
+    time.sleep(0.2)
+    timer = threading.Timer(0.5, released.set)
+    timer.start()
+    started = time.monotonic()
+    assert background.compile_and_save(tiny_model, 2, 64, artifact) == (artifact, "already saved")
+    assert time.monotonic() - started >= 0.4
+    other.join()
+
+
 def test_an_unusable_saved_step_is_removed_and_compiled_again(model, tiny_model, monkeypatch):
     artifact = fastpath.artifact_path(model)
     artifact.write_bytes(b"not a compiled function")
@@ -113,3 +159,16 @@ def test_int4q_compile_of_a_step_that_does_not_compile_is_one_line_naming_the_ma
     result = CliRunner().invoke(main, ["compile", str(tiny_model)])
     assert result.exit_code != 0 and "Traceback" not in result.output and "internal error" not in result.output
     assert "does not compile" in result.output and "cli-broken.failed" in result.output
+
+
+def test_a_short_generation_decodes_eagerly_unless_told_to_compile(tiny_model_tok, cache, monkeypatch):
+    monkeypatch.setattr(fastpath, "_steps", {})
+    monkeypatch.setattr(fastpath, "_step_in_background", lambda *a: pytest.fail("read or compiled a step"))
+    monkeypatch.setattr(fastpath, "compile_step", lambda *a: pytest.fail("compiled a step"))
+    args = ["generate", str(tiny_model_tok), "--prompt", "def f(x):", "--max-new-tokens", "8"]
+    short = CliRunner().invoke(main, args)
+    assert short.exit_code == 0, short.output
+    asked = []
+    monkeypatch.setattr(fastpath, "_step_in_background", lambda decoder, artifact, source: asked.append(source))
+    forced = CliRunner().invoke(main, [*args, "--compile"])
+    assert forced.exit_code == 0 and asked == [tiny_model_tok], forced.output

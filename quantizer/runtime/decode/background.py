@@ -3,9 +3,10 @@ between two tokens when it is ready.
 
 A step saved by an earlier run is read in a thread (a few seconds of deserialising) and checked
 against eager on the main thread before it is used. With none saved, a background process
-(``python -m quantizer.runtime.decode.background MODEL_DIR THREADS MAX_LEN``, on a core of its own)
-compiles and saves it under an exclusive lock, so one compile serves every run that follows,
-this one included once the file appears. ``int4q compile`` runs the same work in the foreground.
+(``python -m quantizer.runtime.decode.background MODEL_DIR THREADS MAX_LEN ARTIFACT``, on a core of
+its own) compiles and saves it under an exclusive lock, so one compile serves every run that
+follows, this one included once the file appears; a run that finds a compile under way starts
+none and waits for its file the same way. ``int4q compile`` runs the same work in the foreground.
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ def saved_step_ready(artifact: Path) -> bool:
 
 
 @contextlib.contextmanager
-def exclusive(artifact: Path):
-    """Yields whether this process holds the artifact's compile lock (False: another one does)."""
+def exclusive(artifact: Path, wait: bool = False):
+    """Yields whether this process holds the artifact's compile lock (False: another one does;
+    with ``wait``, once that one is done)."""
     artifact.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(artifact.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
@@ -74,23 +76,61 @@ def exclusive(artifact: Path):
         os.close(fd)
 
 
-def compile_and_save(model_dir: Path, threads: int, max_len: int) -> tuple[Path, str]:
+def _workers_lock() -> int:
+    """An open descriptor of the lock every background worker holds shared while it runs."""
+    folder = steps.compiled_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return os.open(folder / "workers.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+
+def worker_running() -> bool:
+    """Whether a background compile (of any model) is running on this machine now."""
+    with contextlib.suppress(OSError, UntrustedCache):
+        fd = _workers_lock()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def threads_beside_worker(threads: int | None) -> int:
+    """The threads to use for ``threads`` (None: torch's count) while a background compile holds
+    one core: one fewer where they would take every core."""
+    threads = threads or torch.get_num_threads()
+    if threads >= len(os.sched_getaffinity(0)) and worker_running():
+        return max(1, threads - 1)
+    return threads
+
+
+def compiling_elsewhere(artifact: Path) -> bool:
+    """Whether another process holds the artifact's compile lock now."""
+    with exclusive(artifact) as held:
+        return not held
+
+
+def compile_and_save(model_dir: Path, threads: int, max_len: int, artifact: Path | None = None) -> tuple[Path, str]:
     """Compile and save the decode step of the checkpoint ``model_dir`` at ``threads`` threads
     for sequences of up to ``max_len`` tokens. Returns (the artifact, what happened: "compiled",
     "already saved" or "being compiled"); InputError for a model that decodes through generate,
-    UnsupportedError for a step that does not compile."""
-    from ..loader import load_model
-
-    model = load_model(model_dir, threads=threads)
-    decoder = steps.new_decoder(model, max_len)
-    if decoder is None:
-        raise InputError(f"{model_dir}: this model decodes through transformers' generate, which has no step to compile")
-    artifact = steps.artifact_path(model, decoder.variant)
-    with exclusive(artifact) as held:
+    UnsupportedError for a step that does not compile. Given its ``artifact`` (the background
+    worker), it waits for a compile under way elsewhere before loading anything, and then finds
+    the step saved."""
+    model = decoder = None
+    if artifact is None:
+        model, decoder = _decoder_of(model_dir, threads, max_len)
+        artifact = steps.artifact_path(model, decoder.variant)
+    with exclusive(artifact, wait=decoder is None) as held:
         if not held:
             return artifact, "being compiled"
         if saved_step_ready(artifact):
             return artifact, "already saved"
+        if decoder is None:
+            model, decoder = _decoder_of(model_dir, threads, max_len)
+            if steps.artifact_path(model, decoder.variant) != artifact:
+                raise UnsupportedError(f"{model_dir}: the worker's decode step is not the one its run asked for")
         started = time.perf_counter()
         steps.compile_step(decoder, artifact)
         if decoder.compiled is None:
@@ -101,11 +141,22 @@ def compile_and_save(model_dir: Path, threads: int, max_len: int) -> tuple[Path,
     return artifact, "compiled"
 
 
+def _decoder_of(model_dir: Path, threads: int, max_len: int):
+    """(the loaded checkpoint, its decoder); InputError for a model that decodes through generate."""
+    from ..loader import load_model
+
+    model = load_model(model_dir, threads=threads)
+    decoder = steps.new_decoder(model, max_len)
+    if decoder is None:
+        raise InputError(f"{model_dir}: this model decodes through transformers' generate, which has no step to compile")
+    return model, decoder
+
+
 def start_worker(model_dir: Path, artifact: Path, max_len: int) -> subprocess.Popen | None:
     """A detached process compiling ``model_dir``'s step at this process's thread count (its
     output in ``<artifact>.log``); None when it cannot start."""
     command = [sys.executable, "-m", __name__, str(Path(model_dir).absolute()), str(torch.get_num_threads()),
-               str(max_len)]
+               str(max_len), str(artifact)]
     try:
         artifact.parent.mkdir(parents=True, exist_ok=True)
         with open(artifact.with_suffix(".log"), "w") as out:
@@ -123,10 +174,13 @@ class PendingStep:
     """A compiled step on its way: read from ``artifact`` in a thread once the file is ready.
     :meth:`poll`, called on the decoding thread between tokens, returns it (also ``step``) once
     it is read and matches eager, else None. A saved step that does not is removed and compiled again from
-    ``source`` in the background, once."""
+    ``source`` in the background, once. ``worker``: this run's compiling process; ``elsewhere``:
+    another process was compiling the step when the run started."""
 
-    def __init__(self, decoder, artifact: Path, source: Path, worker: subprocess.Popen | None = None):
+    def __init__(self, decoder, artifact: Path, source: Path, worker: subprocess.Popen | None = None,
+                 elsewhere: bool = False):
         self.decoder, self.artifact, self.source, self.worker = decoder, artifact, source, worker
+        self._elsewhere = elsewhere
         self.finished = False
         self.step = None
         self._retried = worker is not None
@@ -139,7 +193,8 @@ class PendingStep:
     def _share_cores(self) -> None:
         """While a worker compiles (on one core of its own), decode on the others: a thread that
         shares a core with it stalls every parallel region of the decode."""
-        if self.worker is not None and self._threads >= len(os.sched_getaffinity(0)):
+        compiling = self.worker is not None or self._elsewhere
+        if compiling and self._threads >= len(os.sched_getaffinity(0)):
             torch.set_num_threads(max(1, self._threads - 1))
 
     def _finish(self) -> None:
@@ -155,7 +210,7 @@ class PendingStep:
                 return None
             self._next_look = now + POLL_SECONDS
             if not saved_step_ready(self.artifact):
-                if self.worker is not None and self.worker.poll() not in (None, 0):
+                if self._compile_ended():
                     self._finish()
                 return None
             self._thread = threading.Thread(target=self._read, daemon=True)
@@ -170,6 +225,14 @@ class PendingStep:
             return step
         self._recompile()
         return None
+
+    def _compile_ended(self) -> bool:
+        """Whether the compile this run waits for has ended without saving a step."""
+        if self.worker is not None:
+            return self.worker.poll() not in (None, 0)
+        if self._elsewhere and not compiling_elsewhere(self.artifact):
+            return not saved_step_ready(self.artifact)  # saved as the lock was released: not ended
+        return False
 
     def _recompile(self) -> None:
         """Drop the unusable saved step (int4q's own cache file) and compile it anew, once."""
@@ -207,10 +270,11 @@ def main(argv: list[str]) -> int:
     job at a time, so the run that started it keeps the other cores."""
     import torch._inductor.config as inductor_config
 
-    model_dir, threads, max_len = Path(argv[0]), int(argv[1]), int(argv[2])
+    model_dir, threads, max_len, artifact = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+    fcntl.flock(_workers_lock(), fcntl.LOCK_SH)  # held until the process ends: see worker_running
     os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     inductor_config.compile_threads = 1
-    artifact, outcome = compile_and_save(model_dir, threads, max_len)
+    artifact, outcome = compile_and_save(model_dir, threads, max_len, artifact)
     print(f"{outcome}: {artifact}", flush=True)
     return 0
 

@@ -122,22 +122,25 @@ def failed_marker(artifact: Path) -> Path:
 
 
 def _step_in_background(decoder, artifact: Path, source: Path) -> None:
-    from .background import PendingStep, expected_compile_seconds, saved_step_ready, start_worker
+    from .background import PendingStep, compiling_elsewhere, expected_compile_seconds, saved_step_ready, start_worker
 
     _use_direct_kernels(decoder)
     if failed_marker(artifact).is_file():
         log.info("decoding eagerly: this model's step did not compile here (%s)", failed_marker(artifact))
         return
-    worker = None
+    worker, elsewhere = None, False
     if not saved_step_ready(artifact):
-        worker = start_worker(source, artifact, decoder.max_len)
-        if worker is None:
-            compile_step(decoder, artifact)
-            return
-        _warn_once(f"decoding eagerly while the decode step compiles in the background (about "
+        elsewhere = compiling_elsewhere(artifact)
+        if not elsewhere:
+            worker = start_worker(source, artifact, decoder.max_len)
+            if worker is None:
+                compile_step(decoder, artifact)
+                return
+        who = "another int4q run compiles it" if elsewhere else "the decode step compiles"
+        _warn_once(f"decoding eagerly while {who} in the background (about "
                    f"{expected_compile_seconds(decoder.layer_count):.0f} s, once for this model and machine; "
                    "`int4q compile` does it ahead); this run switches to it when it is ready")
-    decoder.pending = PendingStep(decoder, artifact, source, worker)
+    decoder.pending = PendingStep(decoder, artifact, source, worker, elsewhere)
 
 
 def _use_direct_kernels(decoder) -> None:

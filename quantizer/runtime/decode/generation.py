@@ -14,6 +14,17 @@ import torch
 from ...errors import InputError
 
 
+STEP_PAYS_FROM = 1024
+"""New tokens from which ``generate`` takes the compiled decode step. Reading a saved step takes
+seconds, and the eager tokens decoded meanwhile slow down several-fold (the reader holds the
+interpreter lock); below this the eager decode alone finishes first (README, "No wait")."""
+
+
+def step_pays(max_new_tokens: int) -> bool:
+    """Whether a generation of up to ``max_new_tokens`` should take the compiled step."""
+    return max_new_tokens >= STEP_PAYS_FROM
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     """Token ids [1, T] for ``prompt``, wrapped in the chat template when ``chat``."""
     if chat:
