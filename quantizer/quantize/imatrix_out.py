@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..io.outdir import check_output_file, output_lock, partial_dir
@@ -13,14 +14,17 @@ from .planning import QuantizationPlan
 from .report import QuantizeReport
 from .single_file import check_file_name
 
+if TYPE_CHECKING:
+    from ..formats.gguf.imatrix import ImatrixNames
+
 
 @dataclass
 class ImatrixOutput:
-    """Where the file goes, its GGUF names (``formats.gguf.imatrix.ImatrixNames``), and (after
-    the run) the statistics: module -> (column mean squares [K] fp32, input rows)."""
+    """Where the file goes, its GGUF names, and (after the run) the statistics: module ->
+    (column mean squares [K] fp32, input rows)."""
 
     path: Path
-    names: object
+    names: ImatrixNames
     statistics: dict = field(default_factory=dict)
 
     def keep(self, statistics: dict) -> None:

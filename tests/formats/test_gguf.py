@@ -132,7 +132,7 @@ def test_an_output_name_without_gguf_and_a_missing_converter_are_one_line(source
         result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf")
     finally:
         converter.load.cache_clear()
-    assert result.exit_code != 0 and "needs llama.cpp's converter" in result.stderr and "setup_gguf.sh" in result.stderr
+    assert result.exit_code != 0 and "need llama.cpp's converter" in result.stderr and "setup_gguf.sh" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -32,7 +32,8 @@ def converter_root() -> Path:
     root = Path(os.environ.get(ENV) or default_location())
     if not (root / "conversion" / "__init__.py").is_file():
         where = f"{ENV}={root}" if os.environ.get(ENV) else str(root)
-        raise InputError(f"--format gguf needs llama.cpp's converter, and {where} has none; {SETUP_HINT}")
+        raise InputError(f"--format gguf and --imatrix-out need llama.cpp's converter, and {where} has none; "
+                         f"{SETUP_HINT}")
     return root
 
 

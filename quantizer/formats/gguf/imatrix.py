@@ -42,7 +42,11 @@ def imatrix_names(model_dir: Path, config: dict, shapes: dict[str, tuple[int, ..
     for module, shape in shapes.items():
         name = f"{module}.weight"
         bid = next((int(part) for part in name.split(".") if part.isdecimal()), None)
-        made = list(model.modify_tensors(torch.empty(shape, device="meta"), name, bid))
+        try:
+            made = list(model.modify_tensors(torch.empty(shape, device="meta"), name, bid))
+        except (RuntimeError, NotImplementedError, ValueError, TypeError, KeyError, IndexError):
+            left_out.append(module)  # a transform that needs the values, not only the shape
+            continue
         waiting.append(module)
         if not made:
             continue

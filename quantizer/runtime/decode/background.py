@@ -148,7 +148,8 @@ def _decoder_of(model_dir: Path, threads: int, max_len: int):
     model = load_model(model_dir, threads=threads)
     decoder = steps.new_decoder(model, max_len)
     if decoder is None:
-        raise InputError(f"{model_dir}: this model decodes through transformers' generate, which has no step to compile")
+        raise InputError(f"{model_dir}: this model decodes through transformers' generate, which has no step to "
+                         "compile")
     return model, decoder
 
 
