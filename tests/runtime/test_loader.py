@@ -115,8 +115,8 @@ def test_generate_and_bench_commands_on_smollm2(smollm2_g64, smollm2_bf16, tmp_p
                                   "--chat", "--max-new-tokens", "12"])
     assert result.exit_code == 0 and "Paris" in result.stdout
     report = tmp_path / "bench.json"
-    # Eager decode: generate above and the decoder tests cover the compiled step, and compiling the
-    # bf16 baseline too would add two minutes to the suite.
+    # Eager decode, as generate above (a short generation): the decoder and background tests cover
+    # the compiled step, and compiling the bf16 baseline too would add two minutes to the suite.
     result = runner.invoke(main, ["bench", str(smollm2_g64), "--baseline", str(smollm2_bf16), "--prompt-tokens", "32",
                                   "--gen-tokens", "4", "--reps", "1", "--no-compile", "--json", str(report),
                                   "--compare-exact", "--decode", "int8", "--prefill", "int8"])
