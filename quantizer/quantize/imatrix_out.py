@@ -57,8 +57,8 @@ def _measured_shapes(plan: QuantizationPlan) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_imatrix_file(imatrix: ImatrixOutput, report: QuantizeReport, overwrite: bool, inputs: list[Path]) -> int:
-    """Write the file from the finished run's statistics; the number of GGUF weights it holds."""
+def write_imatrix_file(imatrix: ImatrixOutput, report: QuantizeReport, overwrite: bool, inputs: list[Path]) -> None:
+    """Write the file from the finished run's statistics."""
     from ..formats.gguf.imatrix import is_int4q_imatrix, write_imatrix
 
     calibration = report.quantization_config["calibration"]
@@ -66,10 +66,8 @@ def write_imatrix_file(imatrix: ImatrixOutput, report: QuantizeReport, overwrite
         target = check_output_file(imatrix.path, overwrite, inputs, is_int4q_imatrix)
         tmp = partial_dir(target)
         try:
-            count = write_imatrix(tmp, imatrix.names, imatrix.statistics, calibration["text"],
-                                  calibration["nsamples"], calibration["seqlen"],
-                                  {**calibration, "method": report.quantization_config.get("method")})
+            write_imatrix(tmp, imatrix.names, imatrix.statistics, calibration["text"], calibration["nsamples"],
+                          calibration["seqlen"], {**calibration, "method": report.quantization_config.get("method")})
             tmp.replace(target)
         finally:
             tmp.unlink(missing_ok=True)
-    return count

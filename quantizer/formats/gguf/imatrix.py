@@ -60,10 +60,9 @@ def imatrix_names(model_dir: Path, config: dict, shapes: dict[str, tuple[int, ..
 
 
 def write_imatrix(path: Path, names: ImatrixNames, statistics: dict[str, Statistic], dataset: str, chunks: int,
-                  chunk_size: int, calibration: dict) -> int:
+                  chunk_size: int, calibration: dict) -> None:
     """Write the imatrix file at ``path`` (replacing it): every named module that has a
-    statistic, under each of its GGUF names, sorted as llama-imatrix sorts them. Returns the
-    number of GGUF weights written."""
+    statistic, under each of its GGUF names, sorted as llama-imatrix sorts them."""
     _, gguf = load()
     entries: dict[str, Statistic] = {}
     for module, gguf_names in names.names.items():
@@ -83,7 +82,6 @@ def write_imatrix(path: Path, names: ImatrixNames, statistics: dict[str, Statist
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
-    return len(entries)
 
 
 def is_int4q_imatrix(path: Path) -> bool:

@@ -96,13 +96,16 @@ def worker_running() -> bool:
     return False
 
 
-def threads_beside_worker(threads: int | None) -> int:
-    """The threads to use for ``threads`` (None: torch's count) while a background compile holds
-    one core: one fewer where they would take every core."""
-    threads = threads or torch.get_num_threads()
-    if threads >= len(os.sched_getaffinity(0)) and worker_running():
-        return max(1, threads - 1)
-    return threads
+def beside_one_core(threads: int) -> int:
+    """The threads to run where a compiling worker holds one core: one fewer than ``threads``
+    where they would take every core (a thread that shares the worker's core stalls every
+    parallel region)."""
+    return max(1, threads - 1) if threads >= len(os.sched_getaffinity(0)) else threads
+
+
+def threads_beside_worker(threads: int) -> int:
+    """``threads``, or :func:`beside_one_core` of it while a background compile runs."""
+    return beside_one_core(threads) if worker_running() else threads
 
 
 def compiling_elsewhere(artifact: Path) -> bool:
@@ -192,11 +195,9 @@ class PendingStep:
         self._share_cores()
 
     def _share_cores(self) -> None:
-        """While a worker compiles (on one core of its own), decode on the others: a thread that
-        shares a core with it stalls every parallel region of the decode."""
-        compiling = self.worker is not None or self._elsewhere
-        if compiling and self._threads >= len(os.sched_getaffinity(0)):
-            torch.set_num_threads(max(1, self._threads - 1))
+        """While a worker compiles (on one core of its own), decode on the others."""
+        if self.worker is not None or self._elsewhere:
+            torch.set_num_threads(beside_one_core(self._threads))
 
     def _finish(self) -> None:
         self.finished = True

@@ -70,6 +70,20 @@ def supports(int4pack: torch.Tensor, group_size: int) -> bool:
     return n % packing.TINYGEMM_N_BLOCK == 0 and n > 0 and (half * 2) % group_size == 0
 
 
+SELF_TEST_GROUP = 64
+
+
+def self_test_weight(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The weight the operators that read this layout (GEMV, W4A8) are checked on when first
+    used, drawn from ``gen``: (codes uint8 [128, 256], scale and zero bf16 [128, 4], int4pack,
+    sz) at group :data:`SELF_TEST_GROUP`."""
+    n, k = 2 * packing.TINYGEMM_N_BLOCK, 256
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // SELF_TEST_GROUP, generator=gen).to(torch.bfloat16)
+    zero = torch.randn(n, k // SELF_TEST_GROUP, generator=gen).to(torch.bfloat16)
+    return codes, scale, zero, packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
+
+
 def load(variant: str = "native") -> NativeKernel:
     """The kernel on one of :data:`LEVELS`, after a bit-exact check against torch."""
     kernel_ = NativeKernel(variant)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import packing
 from ..cache import machine_identity
 from .build import NativeUnavailable
-from .dequant import supports
+from .dequant import SELF_TEST_GROUP, self_test_weight, supports
 from .library import load_unless_off, ops
 
 CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
@@ -41,13 +40,9 @@ def load() -> bool:
 def self_test() -> None:
     """Raise NativeUnavailable unless the operator is the exact product up to rounding on a seeded weight."""
     gen = torch.Generator().manual_seed(0)
-    n, k, group_size = 2 * packing.TINYGEMM_N_BLOCK, 256, 64
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(n, k // group_size, generator=gen).to(torch.bfloat16)
-    zero = torch.randn(n, k // group_size, generator=gen).to(torch.bfloat16)
-    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
-    int4pack, sz = packing.to_int4pack(packing.pack_nibbles(codes)), packing.scales_and_zeros(scale, zero)
-    if not within_rounding(torch.ops.int4q_native.gemv(x, int4pack, sz, group_size), x, codes, scale, zero):
+    codes, scale, zero, int4pack, sz = self_test_weight(gen)
+    x = torch.randn(1, codes.shape[1], generator=gen).to(torch.bfloat16)
+    if not within_rounding(torch.ops.int4q_native.gemv(x, int4pack, sz, SELF_TEST_GROUP), x, codes, scale, zero):
         raise NativeUnavailable("int4q_native::gemv is off by more than rounding on this machine")
 
 

@@ -168,7 +168,7 @@ AVX512 static void block_group_simd(const uint8_t *src, const uint16_t *sz, uint
 #endif
 
 /* The vector path this CPU runs, at most int4q_max_level(): INT4Q_PORTABLE, INT4Q_AVX512, or
- * INT4Q_AVX512_BF16 (bf16 conversions for the tables). */
+ * INT4Q_AVX512_BF16 (bf16 conversions for the tables). The GEMV and W4A8 kernels check it too. */
 int int4q_dequant_level(void) {
     int level = INT4Q_PORTABLE;
 #if INT4Q_X86

@@ -71,16 +71,8 @@ static void block_gemv(const uint16_t *x, const float *xsum, const uint8_t *src,
 }
 #endif
 
-/* 1 when this CPU runs the GEMV (AVX-512 F, BW, VBMI and BF16) and int4q_max_level() allows it. */
-int int4q_gemv_available(void) {
-#if INT4Q_X86
-    return int4q_max_level() >= INT4Q_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
-           __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
-}
+/* 1 when this CPU runs the GEMV (AVX-512 F, BW, VL, VBMI and BF16) and int4q_max_level() allows it. */
+int int4q_gemv_available(void) { return int4q_dequant_level() >= INT4Q_AVX512_BF16; }
 
 /* xsum[g] = the fp32 sum of x's group g (k / group_size groups), in order. */
 void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum) {

@@ -197,12 +197,10 @@ void int4q_quantize_row(const uint16_t *x, int64_t k, int64_t group_size, int8_t
     }
 }
 
-/* 1 when this CPU runs the W4A8 kernel (AVX-512 F, BW, VBMI and VNNI). */
+/* 1 when this CPU runs the W4A8 kernel (AVX-512 F, BW, VL, VBMI and VNNI) and int4q_max_level() allows it. */
 int int4q_w4a8_available(void) {
 #if INT4Q_X86
-    return int4q_max_level() >= INT4Q_AVX512 && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
-           __builtin_cpu_supports("avx512vnni");
+    return int4q_dequant_level() >= INT4Q_AVX512 && __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
 #endif
