@@ -22,6 +22,12 @@ CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
 # Compiled decode steps and native kernels go beside the other test caches, not into ~/.cache.
 os.environ.setdefault("INT4Q_CACHE_DIR", str(CACHE / "int4q"))
 
+AVX512_LAYOUT = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+"""Whether torch packs tinygemm's AVX-512 layout here (it packs by its own dispatch level), the one
+int4q's AVX-512 kernels decode; elsewhere (AVX2 alone) int4 linears keep row-major copies."""
+needs_avx512_layout = pytest.mark.skipif(
+    not AVX512_LAYOUT, reason=f"torch packs another tinygemm layout at {torch.backends.cpu.get_cpu_capability()}")
+
 
 def pytest_collection_modifyitems(items):
     for item in items:

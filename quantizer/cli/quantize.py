@@ -24,6 +24,17 @@ def _size(value: str) -> int:
         raise click.BadParameter(str(e)) from None
 
 
+def _calibration_precision(choice: str, device: str | None) -> str:
+    """``--calib-precision`` decided: auto is bf16 on a GPU, else what this CPU multiplies fastest."""
+    if choice != "auto":
+        return choice
+    if device and str(device).startswith("cuda"):
+        return "bf16"
+    from ..runtime.cpu import fast_matmul_precision
+
+    return fast_matmul_precision()
+
+
 def _bits(value: str | None) -> int | None:
     return None if value is None else int(value)
 
@@ -76,9 +87,10 @@ def _bits(value: str | None) -> int | None:
                   f"{m.default_nsamples} for {m.name}" for m in METHODS.values() if m.calibrated) + ".")
 @click.option("--seqlen", default=512, show_default=True, type=click.IntRange(8, 100_000),
               help="[gptq, weighted] Tokens per calibration window.")
-@click.option("--calib-precision", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]),
+@click.option("--calib-precision", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp32"]),
               help="[gptq, weighted] What the layers run the calibration windows in: bf16, as the model runs "
-                   "(twice as fast; its activations are summed exactly into fp32 statistics), or fp32.")
+                   "(its activations are summed exactly into fp32 statistics), or fp32; auto: bf16 on a GPU or "
+                   "a CPU with bf16 dot products (AVX-512 BF16, AMX, Arm BF16), where it is the faster, else fp32.")
 @click.option("--act-order/--no-act-order", default=True, show_default=True,
               help="[gptq] Visit columns by decreasing Hessian diagonal (groups stay static: no g_idx).")
 @click.option("--damp", default=0.01, show_default=True, type=click.FloatRange(min=0, min_open=True),
@@ -133,8 +145,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         gguf_type=gguf_type,
     )
     settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
-    request = QuantizeRequest(model, out, options, overwrite, base_model, calib,
-                              CalibrationSettings(nsamples, seqlen, seed, calib_precision), settings, resume, device,
+    calibration = CalibrationSettings(nsamples, seqlen, seed, _calibration_precision(calib_precision, device))
+    request = QuantizeRequest(model, out, options, overwrite, base_model, calib, calibration, settings, resume, device,
                               imatrix_out)
     start = time.perf_counter()
     shown = _ShownProgress(progress)

@@ -67,7 +67,8 @@ class HessianAccumulator:
         if m == 0:
             return
         self._factor = None
-        self._upper_only |= add_gram(self._H, x, alpha=2.0 / (self.n + m), beta=self.n / (self.n + m))
+        add_gram(self._H, x, alpha=2.0 / (self.n + m), beta=self.n / (self.n + m))
+        self._upper_only = True
         self.n += m
 
     def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -3,10 +3,11 @@ every product is exact and the sums are fp32 whichever kernel runs, so the kerne
 in the order of the sums:
 
 - int4q's own (``int4q_native::gram_bf16``, AVX-512 BF16), which computes only the tiles on and
-  above the diagonal: C's lower triangle is then stale until :func:`mirror_upper`;
+  above the diagonal;
 - MKL's bf16 GEMM with an fp32 result (``cblas_gemm_bf16bf16f32``) where the torch build ships it;
 - x in fp32 and ATen's fp32 GEMM (any other dtype too).
 
+Whichever runs, C's upper triangle is the result and :func:`mirror_upper` makes the whole of it.
 Each accelerated kernel proves itself on first use against the fp32 one; where it fails, one
 warning names the fallback."""
 
@@ -24,21 +25,21 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _kernels: dict[str, object] = {}  # name -> the checked kernel, or None once found unusable
 
 
-def add_gram(C: torch.Tensor, x: torch.Tensor, alpha: float, beta: float) -> bool:
-    """C [K, K] fp32 becomes beta * C + alpha * x^T x, x [m, K], m > 0. Returns True where only
-    C's upper triangle was updated (see :func:`mirror_upper`)."""
+def add_gram(C: torch.Tensor, x: torch.Tensor, alpha: float, beta: float) -> None:
+    """C [K, K] fp32 becomes beta * C + alpha * x^T x, x [m, K], m > 0, on and above the diagonal;
+    its lower triangle is then stale or off by rounding (a full GEMM need not round C[i, j] as
+    C[j, i]) until :func:`mirror_upper`."""
     if x.dtype == torch.bfloat16 and C.device.type == "cpu" and C.is_contiguous():
         native = _kernel("native", _find_native)
         if native is not None:
             native(C, x, alpha, beta)
-            return True
+            return
         mkl = _kernel("mkl", _find_mkl)
         if mkl is not None:
             mkl(C, x, alpha, beta)
-            return False
+            return
     x = x.to(torch.float32)
     C.mul_(beta).addmm_(x.t(), x, alpha=alpha)
-    return False
 
 
 def mirror_upper(C: torch.Tensor, block: int = 512) -> None:

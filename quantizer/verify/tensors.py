@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from ..errors import Int4qError
-from ..formats.packing import scales_and_zeros, supports_direct_dequant, to_int4pack, unpack_nibbles
+from ..formats.packing import kernel_layout_matches, scales_and_zeros, to_int4pack, unpack_nibbles
 from ..io.checkpoint import CheckpointReader, read_config
 from ..io.structure import ModelStructure, tie_word_embeddings
 from ..methods.error_stats import ErrorStats
 from ..methods.grid import CLIP_SHRINKS, MID, QMAX, QMAX8, ChannelQuantized, dequantize_codes
 from ..runtime.native.dequant import dequantize_int4pack
-from ..runtime.native.gemv import int4pack_mm
+from ..runtime.native.gemv_rows import decode_matmul
 from ..spec.methods import get_method
 from .structure import FORMAT, CheckResult, StructureInfo
 
@@ -176,9 +176,11 @@ def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
 
 
 def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
-    """Per quantized linear: tinygemm pack + the runtime's direct dequantization (the native kernel
-    where it is available) equals the row-major one bit for bit, and the kernel (tinygemm, or the
-    8-bit GEMV) agrees with the dequantized reference on random inputs."""
+    """Per quantized linear: where the runtime dequantizes from the kernel layout (this CPU's
+    tinygemm layout is the one int4q decodes), tinygemm pack + that direct dequantization (the
+    native kernel where it is available) equals the row-major one bit for bit, and the decode kernel the runtime
+    takes here (int4q's GEMV, the row-major one, tinygemm, or the 8-bit GEMV) agrees with the
+    dequantized reference on random inputs."""
     result = CheckResult("kernel layout")
     gen = torch.Generator().manual_seed(seed)
     for module in info.quantized:
@@ -198,10 +200,11 @@ def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
                 continue  # an embedding table alone never goes through the kernel
             int4pack, sz = to_int4pack(packed), scales_and_zeros(scale, zero)
             reference = dequantize_codes(unpack_nibbles(packed), scale, zero)
-            if supports_direct_dequant(n) and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
+            direct = kernel_layout_matches(n)  # where the runtime dequantizes from the kernel layout
+            if direct and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
                 result.fail(f"{module}: direct dequantization from the kernel layout differs from row-major")
             x = torch.randn(1, 2 * half, generator=gen).to(torch.bfloat16)
-            got = int4pack_mm(x, int4pack, sz, group).float()
+            got = decode_matmul(x, int4pack, sz, group, (packed, scale, zero)).float()
         want = x.float() @ reference.float().t()
         if (got - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             result.fail(f"{module}: the kernel's GEMV disagrees with the dequantized reference")

@@ -6,8 +6,11 @@ import torch
 import quantizer.runtime.nn.int4 as modules
 from quantizer.methods.grid import quantize_groupwise
 from quantizer.formats.packing import pack_nibbles
+from quantizer.runtime.nn.gemm import prefill_linear
 from quantizer.runtime.nn.int4 import Int4Linear, quantize_embedding_module, tied_head
 from quantizer.runtime.nn.swap import dequantize_modules
+
+from conftest import AVX512_LAYOUT, needs_avx512_layout
 
 
 def quantized(n, k, group, seed=0):
@@ -30,10 +33,11 @@ def test_int4_linear_matches_dequantized_reference(rows, n, group):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     err = (out.float() - ref).abs().max().item()
     assert err <= 0.02 * ref.abs().max().item() + 1e-3, err
-    if rows >= 2:  # the dequantize path runs the very weight of the reference through oneDNN
-        assert torch.equal(out, torch.nn.functional.linear(x, gq.dequantize(torch.bfloat16)))
+    if rows >= 2:  # the dequantize path runs the very weight of the reference through the prefill GEMM
+        assert torch.equal(out, prefill_linear(x, gq.dequantize(torch.bfloat16)))
 
 
+@needs_avx512_layout
 def test_direct_dequant_only_where_the_block_tiles_and_bit_exact_there():
     for n, direct in ((192, True), (80, False), (48, True)):
         gq, tensors = quantized(n, 256, 64)
@@ -42,6 +46,7 @@ def test_direct_dequant_only_where_the_block_tiles_and_bit_exact_there():
         assert torch.equal(layer.dequantized_weight(), gq.dequantize(torch.bfloat16))
 
 
+@needs_avx512_layout
 def test_direct_dequant_off_keeps_a_row_major_copy_with_identical_results():
     gq, tensors = quantized(128, 256, 64)
     x = torch.randn(5, 256).to(torch.bfloat16)
@@ -63,8 +68,8 @@ def test_prefill_dequant_off_sends_every_batch_to_tinygemm_without_a_copy(monkey
 def test_threshold_picks_the_path(monkeypatch):
     gq, tensors = quantized(128, 256, 64)
     layer = Int4Linear.from_row_major(*tensors, group_size=64, threshold=4)
-    real, calls = modules.dequantize_int4pack, []
-    monkeypatch.setattr(modules, "dequantize_int4pack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, calls = modules._prefill_weight, []
+    monkeypatch.setattr(modules, "_prefill_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
     layer(torch.randn(3, 256).to(torch.bfloat16))
     assert calls == []
     layer(torch.randn(4, 256).to(torch.bfloat16))
@@ -100,7 +105,7 @@ def test_int4_embedding_looks_up_dequantized_rows_and_keeps_the_class_behaviour(
     gq, tensors = quantized(256, 128, 32)
     emb = quantize_embedding_module(cls(256, 128), *tensors, 32, with_kernel_layout=tied)
     assert isinstance(emb, cls) and "weight" not in dict(emb.named_parameters())
-    assert (emb.packed is None) is tied  # tied: one copy, in the kernel layout
+    assert (emb.packed is None) is (tied and AVX512_LAYOUT)  # tied: one copy, in the kernel layout int4q decodes
     ids = torch.tensor([[0, 5, 63, 64, 200, 255]])
     expected = gq.dequantize(torch.bfloat16)[ids[0]] * (3.0 if cls is ScaledEmbedding else 1.0)
     assert torch.equal(emb(ids)[0], expected)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ...errors import InputError
 from ..native.dequant import shared_weight_buffer
-from ..native.gemv import has_gemv
+from ..native.gemv import has_mean_square
 from ..nn.fusion import Int4Slice
 
 MIN_CACHE = 4
@@ -93,7 +93,7 @@ def mark_exact_norms(layers, norm) -> int:
     """Mark the norms whose forward is LlamaRMSNorm's (checked on a seeded input) to take their
     variance from the opaque ``int4q_native.mean_square`` when compiled (see :func:`rms_norm`);
     only where int4q's operators are loaded. Returns how many were marked."""
-    if not has_gemv():
+    if not has_mean_square():
         return 0
     marked, gen = 0, torch.Generator().manual_seed(0)
     for module in (*layers.modules(), norm):

@@ -6,10 +6,12 @@ token: from C++ through the dispatcher it costs a few microseconds, from Python 
 saves. It is checked against the exact product when first used. Where the library cannot be
 loaded or trusted (or the CPU lacks AVX-512 VBMI and BF16), decode uses tinygemm: after one
 warning, or silently where the CPU is the reason or ``INT4Q_NATIVE=0``. The same library holds
-``mean_square``, the compiled step's RMSNorm variance (see :func:`mean_square_is_eagers`).
+``mean_square``, the compiled step's RMSNorm variance, on every CPU (see :func:`has_mean_square`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,33 +24,61 @@ CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
 
 _choice: list[bool] = []  # has_gemv's answer, once decided
+_mean_square: list[bool] = []  # has_mean_square's answer, once decided
 
 
 def load() -> bool:
     """Load the library and check the operator; whether it can be used here."""
     if not CPU_FEATURES <= set(machine_identity().split()):
         return False
-    library = ops()
-    if not library.gemv_available():
+    if not ops().gemv_available():
         return False
-    library.use_own_mean_square(True)
-    library.use_own_mean_square(mean_square_is_eagers())
     self_test()
     return True
 
 
 def self_test() -> None:
     """Raise NativeUnavailable unless the operator is the exact product up to rounding on a seeded weight."""
+    check_one_row("gemv", lambda x, weight: torch.ops.int4q_native.gemv(x, *weight[3:], SELF_TEST_GROUP))
+
+
+def check_one_row(operator: str, product) -> None:
+    """Raise NativeUnavailable unless ``product(x, weight)`` is x times the weight's transpose up to
+    rounding, for a seeded row x and :func:`.dequant.self_test_weight`'s weight (codes, scale,
+    zero, int4pack, sz) at group :data:`.dequant.SELF_TEST_GROUP`."""
     gen = torch.Generator().manual_seed(0)
-    codes, scale, zero, int4pack, sz = self_test_weight(gen)
+    weight = self_test_weight(gen)
+    codes, scale, zero = weight[:3]
     x = torch.randn(1, codes.shape[1], generator=gen).to(torch.bfloat16)
-    if not within_rounding(torch.ops.int4q_native.gemv(x, int4pack, sz, SELF_TEST_GROUP), x, codes, scale, zero):
-        raise NativeUnavailable("int4q_native::gemv is off by more than rounding on this machine")
+    if not within_rounding(product(x, weight), x, codes, scale, zero):
+        raise NativeUnavailable(f"int4q_native::{operator} is off by more than rounding on this machine")
 
 
 MEAN_SQUARE_WIDTHS = (1, 7, 64, 100, 128, 576, 896, 960, 1536, 2048, 2560, 3584, 4096, 5120, 8192, 16384)
 """Row widths the load-time check covers: every branch of the summation order, hidden sizes of
 common models, and widths whose cascade reaches its second and third levels."""
+
+
+@torch.compiler.assume_constant_result
+def has_mean_square() -> bool:
+    """Whether ``int4q_native.mean_square`` is loaded here (a constant to torch.compile), with its own
+    summation where that is eager's bit for bit (see :func:`mean_square_is_eagers`). Silent where
+    it is not: the kernels that need the library already say why it cannot load."""
+    if not _mean_square:
+        _mean_square.append(_load_mean_square())
+    return _mean_square[0]
+
+
+def _load_mean_square() -> bool:
+    if os.environ.get("INT4Q_NATIVE", "1") == "0":
+        return False
+    try:
+        library = ops()
+    except NativeUnavailable:
+        return False
+    library.use_own_mean_square(True)
+    library.use_own_mean_square(mean_square_is_eagers())
+    return True
 
 
 def mean_square_is_eagers() -> bool:

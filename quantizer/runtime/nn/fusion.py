@@ -12,9 +12,9 @@ blocking, hence its rounding, can depend on the number of output channels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...formats.packing import TINYGEMM_N_BLOCK, codes_from_int4pack, pack_nibbles
+from .gemm import prefill_linear
 from .int4 import Int4Linear, with_bias
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -39,7 +39,8 @@ class Int4Group(torch.nn.Module):
             return list(self.linear(x).split(self.sizes, dim=-1))
         x2, bias = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.linear.bias
         biases = [None] * len(self.sizes) if bias is None else bias.split(self.sizes)
-        return [with_bias(F.linear(x2, rows), b, x.shape[:-1]) for rows, b in zip(weight.split(self.sizes), biases)]
+        return [with_bias(prefill_linear(x2, rows), b, x.shape[:-1])
+                for rows, b in zip(weight.split(self.sizes), biases)]
 
     def shared(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member ``index``'s output for ``x``; the members after the first reuse it (eager only)."""

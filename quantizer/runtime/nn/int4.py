@@ -1,10 +1,11 @@
 """The int4 linear and the int4 vocabulary lookup.
 
 Decode (fewer rows than ``dequant_threshold``) multiplies the packed weight directly (the kernels
-of :mod:`.gemv`); prefill dequantizes to bf16 (the native kernel of :mod:`.native`) and calls
-``F.linear`` (oneDNN). With ``direct_dequant`` the prefill path decodes the kernel's own layout, so
-no second copy of the weight is resident; a layer whose N does not tile the 64-channel block, or a
-CPU whose layout fails the probe, keeps a row-major copy instead.
+of :mod:`..native.gemv_rows`); prefill dequantizes to bf16 (the native kernel of :mod:`.native`)
+and multiplies through oneDNN (:mod:`.gemm`). With ``direct_dequant`` the prefill path decodes the
+kernel's own layout, so no second copy of the weight is resident; a layer whose N does not tile the
+64-channel block, or a CPU whose layout fails the probe (AVX2 without AVX-512), keeps a row-major
+copy instead, which its decode then reads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from ...formats.packing import (
     TINYGEMM_N_BLOCK,
@@ -24,8 +24,9 @@ from ...formats.packing import (
 )
 from ...methods.grid import dequantize_codes
 from ..native.dequant import dequantize_int4pack
-from ..native.gemv import int4pack_mm
+from ..native.gemv_rows import decode_matmul
 from ..native.w4a8 import w4a8_usable
+from .gemm import prefill_linear
 
 log = logging.getLogger(__name__)
 _warned_layout = False
@@ -69,8 +70,8 @@ def _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct
     if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
         weight = _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero)
     if weight is not None:
-        return F.linear(x, weight)
-    return int4pack_mm(x, int4pack, sz, group_size)
+        return prefill_linear(x, weight)
+    return decode_matmul(x, int4pack, sz, group_size, None if packed is None else (packed, scale, zero))
 
 
 def with_bias(out: torch.Tensor, bias: torch.Tensor | None, lead_shape) -> torch.Tensor:
@@ -98,7 +99,8 @@ def _layout_usable(n: int) -> bool:
     if kernel_layout_matches(n):
         return True
     if not _warned_layout:
-        log.warning("the tinygemm weight layout on this CPU is not the one int4q decodes; keeping row-major copies")
+        log.warning("the tinygemm weight layout on this CPU is not the one int4q decodes; keeping row-major copies "
+                    "beside it (decode and prefill read those)")
         _warned_layout = True
     return False
 

@@ -1,13 +1,13 @@
 """The 8-bit linear and the 8-bit vocabulary lookup: int8 codes [N, K] with one bf16 scale per
 output channel. Decode (fewer rows than ``threshold``) runs ``_weight_int8pack_mm``; prefill
-dequantizes to bf16 and calls ``F.linear`` (oneDNN). A tied head shares the table's buffers."""
+dequantizes to bf16 and multiplies through oneDNN (:mod:`.gemm`). A tied head shares the table's buffers."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...methods.grid import ChannelQuantized
+from .gemm import prefill_linear
 from .int4 import takes_prefill_path
 
 
@@ -19,7 +19,7 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, threshold: int,
                  prefill_dequant: bool) -> torch.Tensor:
     if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
-        return F.linear(x, _dequantize(codes, scale))
+        return prefill_linear(x, _dequantize(codes, scale))
     return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
 
 

@@ -126,6 +126,7 @@ def test_a_library_that_cannot_load_warns_only_where_int8_was_asked_for(fresh_ch
         raise NativeUnavailable("no c++ here")
 
     monkeypatch.setattr(w4a8, "ops", unavailable)
+    monkeypatch.setattr(w4a8, "machine_identity", lambda: " ".join(w4a8.CPU_FEATURES))  # a CPU that has them
     _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=12)
     warned = []
     for setting in (None, "prefill=int8"):

@@ -19,19 +19,11 @@
 #define BLOCK 64  /* output channels per block of the layout */
 #define RUN 32    /* bytes per (block, k) run */
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static void fill_tables(uint16_t tables[BLOCK][16], const uint16_t *sz, int64_t n, int64_t b, int64_t g) {
     for (int ch = 0; ch < BLOCK; ch++) {
         const uint16_t *p = sz + (g * n + b * BLOCK + ch) * 2;
         float scale = int4q_bf16_to_float(p[0]), zero = int4q_bf16_to_float(p[1]);
-        for (int q = 0; q < 16; q++) tables[ch][q] = float_to_bf16((float)(q - 8) * scale + zero);
+        for (int q = 0; q < 16; q++) tables[ch][q] = int4q_float_to_bf16((float)(q - 8) * scale + zero);
     }
 }
 

@@ -1,7 +1,7 @@
-/* The C interface of int4q's kernels (int4_gemv.c, int4_w4a8.c, int4_dequant.c, gram_bf16.c,
- * gptq_columns.c) to their operators (int4_ops.cpp, w4a8_ops.cpp), and the vector paths they
- * choose between at run time. The sources may be compiled as C or as C++; the interface has C
- * linkage either way. */
+/* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_dequant.c,
+ * gram_bf16.c, gptq_columns.c) to their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp),
+ * and the vector paths they choose between at run time. The sources may be compiled as C or as
+ * C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
@@ -26,6 +26,15 @@ static inline float int4q_bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* f rounded to the nearest bf16, ties to even; every NaN becomes 0x7FC0. */
+static inline uint16_t int4q_float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -36,6 +45,12 @@ int int4q_gemv_available(void);
 void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum);
 void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
                        int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
+
+int int4q_gemv_rows_level(void);
+void int4q_split_row(const uint16_t *x, int64_t k, int64_t group_size, float *xe, float *xo, float *xsum);
+void int4q_gemv_rows(const float *xe, const float *xo, const float *xsum, const uint8_t *packed,
+                     const uint16_t *scale, const uint16_t *zero, uint16_t *out, int64_t k, int64_t group_size,
+                     int64_t first, int64_t last);
 
 int int4q_w4a8_available(void);
 void int4q_quantize_row(const uint16_t *x, int64_t k, int64_t group_size, int8_t *xq, float *xscale,
