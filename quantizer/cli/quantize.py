@@ -24,11 +24,11 @@ def _size(value: str) -> int:
         raise click.BadParameter(str(e)) from None
 
 
-def _calibration_precision(choice: str, device: str | None) -> str:
+def _calibration_precision(choice: str, device: str) -> str:
     """``--calib-precision`` decided: auto is bf16 on a GPU, else what this CPU multiplies fastest."""
     if choice != "auto":
         return choice
-    if device and str(device).startswith("cuda"):
+    if device == "cuda":
         return "bf16"
     from ..runtime.cpu import fast_matmul_precision
 

@@ -178,9 +178,10 @@ def _uncovered_range(w, scale, zero, group, min_shrink: float) -> float:
 def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
     """Per quantized linear: where the runtime dequantizes from the kernel layout (this CPU's
     tinygemm layout is the one int4q decodes), tinygemm pack + that direct dequantization (the
-    native kernel where it is available) equals the row-major one bit for bit, and the decode kernel the runtime
-    takes here (int4q's GEMV, the row-major one, tinygemm, or the 8-bit GEMV) agrees with the
-    dequantized reference on random inputs."""
+    native kernel where it is available) equals the row-major one bit for bit; and the decode
+    kernel the runtime takes here for such a layer (int4q's GEMV, the row-major one where the
+    layer keeps row-major tensors, tinygemm, or the 8-bit GEMV) agrees with the dequantized
+    reference on random inputs."""
     result = CheckResult("kernel layout")
     gen = torch.Generator().manual_seed(seed)
     for module in info.quantized:
@@ -204,7 +205,7 @@ def check_kernel_layout(info: StructureInfo, seed: int = 0) -> CheckResult:
             if direct and not torch.equal(dequantize_int4pack(int4pack, sz, group), reference):
                 result.fail(f"{module}: direct dequantization from the kernel layout differs from row-major")
             x = torch.randn(1, 2 * half, generator=gen).to(torch.bfloat16)
-            got = decode_matmul(x, int4pack, sz, group, (packed, scale, zero)).float()
+            got = decode_matmul(x, int4pack, sz, group, None if direct else (packed, scale, zero)).float()
         want = x.float() @ reference.float().t()
         if (got - want).abs().max().item() > 0.02 * want.abs().max().item() + 1e-3:
             result.fail(f"{module}: the kernel's GEMV disagrees with the dequantized reference")

@@ -11,14 +11,12 @@ warning, or silently where the CPU is the reason or ``INT4Q_NATIVE=0``. The same
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..cache import machine_identity
 from .build import NativeUnavailable
 from .dequant import SELF_TEST_GROUP, self_test_weight, supports
-from .library import load_unless_off, ops
+from .library import load_unless_off, native_off, ops
 
 CPU_FEATURES = {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
@@ -70,7 +68,7 @@ def has_mean_square() -> bool:
 
 
 def _load_mean_square() -> bool:
-    if os.environ.get("INT4Q_NATIVE", "1") == "0":
+    if native_off():
         return False
     try:
         library = ops()

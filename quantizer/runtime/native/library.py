@@ -82,10 +82,15 @@ def _open(torch, path: Path) -> Path:
     return path
 
 
+def native_off() -> bool:
+    """Whether the user turned int4q's native kernels off (``INT4Q_NATIVE=0``)."""
+    return os.environ.get("INT4Q_NATIVE", "1") == "0"
+
+
 def load_unless_off(load_native, fallback: str, fix: str):
     """``load_native()``, or None: silently with ``INT4Q_NATIVE=0``, else after one warning line
     saying what runs instead (``fallback``), why, and ``fix``, where it raises NativeUnavailable."""
-    if os.environ.get("INT4Q_NATIVE", "1") == "0":
+    if native_off():
         return None
     try:
         return load_native()
