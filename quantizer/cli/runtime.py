@@ -19,7 +19,8 @@ def activation_options(command):
                                                                                            "one token at a time")):
         command = click.option(f"--{phase}", type=click.Choice(CHOICES),
                                help=f"Activations of the int4 linears' {phase} ({rows}): exact bf16, or rounded "
-                                    f"to int8 per weight group (faster where the CPU has AVX-512 VNNI). Default: "
+                                    f"to int8 per weight group (faster where the CPU has AVX-512 VNNI, or for decode "
+                                    f"AVX2). Default: "
                                     f"$INT4Q_ACTIVATIONS, else the README's choice.")(command)
     return command
 

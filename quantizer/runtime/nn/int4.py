@@ -5,7 +5,9 @@ of :mod:`..native.gemv_rows`); prefill dequantizes to bf16 (the native kernel of
 and multiplies through oneDNN (:mod:`.gemm`). With ``direct_dequant`` the prefill path decodes the
 kernel's own layout, so no second copy of the weight is resident; a layer whose N does not tile the
 64-channel block, or a CPU whose layout fails the probe (AVX2 without AVX-512), keeps a row-major
-copy instead, which its decode then reads.
+copy instead, which its decode then reads. Rows chosen for int8 activations (:mod:`..activations`)
+go through :mod:`..native.w4a8` (the kernel layout, AVX-512 VNNI) or, decode rows only,
+:mod:`..native.w4a8_rows` (the row-major copy, AVX2).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ...methods.grid import dequantize_codes
 from ..native.dequant import dequantize_int4pack
 from ..native.gemv_rows import decode_matmul
 from ..native.w4a8 import w4a8_usable
+from ..native.w4a8_rows import ROWS_LIMIT, w4a8_rows_usable
 from .gemm import prefill_linear
 
 log = logging.getLogger(__name__)
@@ -55,17 +58,27 @@ def takes_prefill_path(rows: int, threshold: int, prefill_dequant: bool) -> bool
     return prefill_dequant and rows >= threshold
 
 
-def takes_int8_path(rows: int, threshold: int, int8_decode: bool, int8_prefill: bool, int4pack: torch.Tensor,
-                    group_size: int) -> bool:
-    """Whether ``rows`` rows are multiplied with int8 activations: decode (fewer rows than
-    ``threshold``) or prefill, as chosen, where the operator reads this weight on this machine."""
-    return (int8_prefill if rows >= threshold else int8_decode) and w4a8_usable(int4pack, group_size)
+def int8_operator(rows: int, threshold: int, int8_decode: bool, int8_prefill: bool, int4pack: torch.Tensor,
+                  group_size: int, packed: torch.Tensor | None) -> str | None:
+    """The operator that multiplies ``rows`` rows with int8 activations, or None for the exact
+    paths: decode (fewer rows than ``threshold``) or prefill, as chosen. A layer that keeps its
+    row-major tensors (``packed``: the kernel layout is not int4q's on this CPU, or N does not tile
+    it) takes ``w4a8_rows`` for up to its ``ROWS_LIMIT`` rows where it reads them; any other layer
+    ``w4a8_mm`` where it reads the kernel layout on this machine."""
+    if not (int8_decode if rows < threshold else int8_prefill):
+        return None
+    if packed is not None:
+        return "w4a8_rows" if rows <= ROWS_LIMIT and w4a8_rows_usable(packed, group_size) else None
+    return "w4a8_mm" if w4a8_usable(int4pack, group_size) else None
 
 
 def _int4_matmul(x, int4pack, sz, group_size, threshold, prefill_dequant, direct, packed, scale, zero,
                  int8_decode, int8_prefill):
-    if takes_int8_path(x.shape[0], threshold, int8_decode, int8_prefill, int4pack, group_size):
+    int8 = int8_operator(x.shape[0], threshold, int8_decode, int8_prefill, int4pack, group_size, packed)
+    if int8 == "w4a8_mm":
         return torch.ops.int4q_native.w4a8_mm(x, int4pack, sz, group_size)
+    if int8 == "w4a8_rows":
+        return torch.ops.int4q_native.w4a8_rows(x, packed, scale, zero, group_size)
     weight = None
     if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
         weight = _prefill_weight(int4pack, sz, group_size, direct, packed, scale, zero)
@@ -156,8 +169,9 @@ class Int4Linear(torch.nn.Module):
         """The transient bf16 weight [N, K] that :meth:`forward` multiplies ``rows`` rows by in eager
         mode, or None where those rows go through the decode kernel (or torch.compile traces)."""
         if not takes_prefill_path(rows, self.threshold, self.prefill_dequant) or (
-                self.use_custom_op and torch.compiler.is_compiling()) or takes_int8_path(
-                rows, self.threshold, self.int8_decode, self.int8_prefill, self.int4pack, self.group_size):
+                self.use_custom_op and torch.compiler.is_compiling()) or int8_operator(
+                rows, self.threshold, self.int8_decode, self.int8_prefill, self.int4pack, self.group_size,
+                self.packed) is not None:
             return None
         return _prefill_weight(self.int4pack, self.sz, self.group_size, self.direct, self.packed, self.scale,
                                self.zero)

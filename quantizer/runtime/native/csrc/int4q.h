@@ -1,7 +1,7 @@
-/* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_dequant.c,
- * gram_bf16.c, gptq_columns.c) to their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp),
- * and the vector paths they choose between at run time. The sources may be compiled as C or as
- * C++; the interface has C linkage either way. */
+/* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c) to their operators (int4_ops.cpp, gemv_rows_ops.cpp,
+ * w4a8_ops.cpp), and the vector paths they choose between at run time. The sources may be compiled
+ * as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
@@ -58,6 +58,12 @@ void int4q_quantize_row(const uint16_t *x, int64_t k, int64_t group_size, int8_t
 void int4q_w4a8_blocks(const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum, int64_t m,
                        const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
                        int64_t group_size, int64_t first, int64_t last);
+
+int int4q_w4a8_rows_available(void);
+void int4q_w4a8_split(const int8_t *xq, int64_t k, int8_t *even, int8_t *odd);
+void int4q_w4a8_rows(const int8_t *even, const int8_t *odd, const float *xscale, const int32_t *xqsum,
+                     const float *xsum, int64_t m, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                     uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
 
 #define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
 #define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
