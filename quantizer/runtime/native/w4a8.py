@@ -57,24 +57,32 @@ def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, sca
     return bool(((got.double() - expected).abs() <= expected.abs() * 2**-8 + magnitude * 2**-18).all())
 
 
-def load() -> bool:
-    """Load the library and check the operator; NativeUnavailable says why it cannot be used. Where
-    int8 is only the default, not the user's choice, a CPU without the instructions or a library
-    that cannot load (the exact paths already say so) is a silent False."""
-    if not CPU_FEATURES <= set(machine_identity().split()):
+def load_int8_operator(has_features: bool, lacking: str, open_library, available: str, check) -> bool:
+    """Load the library (``open_library()``) and ``check()`` an int8 operator whose CPU test is
+    ``has_features`` and whose library test is the operator named ``available``; NativeUnavailable
+    says why it cannot be used. Where int8 is only the default, not the user's choice, a CPU
+    without the instructions (``lacking`` names them) or a library that cannot load (the exact
+    paths already say so) is a silent False."""
+    if not has_features:
         if not chosen_explicitly():
             return False
-        raise NativeUnavailable("this CPU lacks AVX-512 VBMI or VNNI")
+        raise NativeUnavailable(f"this CPU lacks {lacking}")
     try:
-        library = ops()
+        library = open_library()
     except NativeUnavailable:
         if not chosen_explicitly():
             return False
         raise
-    if not library.w4a8_available():
+    if not getattr(library, available)():
         raise NativeUnavailable("the int8 kernel is limited off on this CPU")
-    self_test()
+    check()
     return True
+
+
+def load() -> bool:
+    """:func:`load_int8_operator` for ``w4a8_mm``."""
+    return load_int8_operator(CPU_FEATURES <= set(machine_identity().split()), "AVX-512 VBMI or VNNI", ops,
+                              "w4a8_available", self_test)
 
 
 def self_test() -> None:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import torch
 
 from ...formats.packing import pack_nibbles
-from ..activations import chosen_explicitly
 from ..cache import machine_identity
 from .build import NativeUnavailable
 from .library import load_unless_off, ops
-from .w4a8 import within_rounding
+from .w4a8 import load_int8_operator, within_rounding
 
 CPU_FEATURES = {"avx2", "fma"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
@@ -38,23 +37,9 @@ def reads_group(k: int, group_size: int) -> bool:
 
 
 def load() -> bool:
-    """Load the library and check the operator; NativeUnavailable says why it cannot be used. Where
-    int8 is only the default, a CPU without the instructions or a library that cannot load is a
-    silent False (the exact paths already say so)."""
-    if not CPU_FEATURES <= set(machine_identity().split()):
-        if not chosen_explicitly():
-            return False
-        raise NativeUnavailable("this CPU lacks AVX2 and FMA")
-    try:
-        library = ops()
-    except NativeUnavailable:
-        if not chosen_explicitly():
-            return False
-        raise
-    if not library.w4a8_rows_available():
-        raise NativeUnavailable("the int8 kernel is limited off on this CPU")
-    self_test()
-    return True
+    """:func:`.w4a8.load_int8_operator` for ``w4a8_rows``."""
+    return load_int8_operator(CPU_FEATURES <= set(machine_identity().split()), "AVX2 and FMA", ops,
+                              "w4a8_rows_available", self_test)
 
 
 def self_test() -> None:

@@ -43,13 +43,6 @@ static void rows_portable(const float *xe, const float *xo, const float *xsum, c
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
-AVX2 static inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Channels [c0, c0 + nr), nr <= ROWS. */
 AVX2 static inline __attribute__((always_inline)) void rows_avx2(
     const float *xe, const float *xo, const float *xsum, const uint8_t *packed, const uint16_t *scale,
@@ -80,7 +73,7 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2(
             bias[r] += (z - 8.0f * s) * xsum[g];
         }
     }
-    for (int r = 0; r < nr; r++) out[c0 + r] = int4q_float_to_bf16(horizontal_sum(y[r]) + bias[r]);
+    for (int r = 0; r < nr; r++) out[c0 + r] = int4q_float_to_bf16(int4q_sum8(y[r]) + bias[r]);
 }
 
 AVX2 static void rows_vector(const float *xe, const float *xo, const float *xsum, const uint8_t *packed,

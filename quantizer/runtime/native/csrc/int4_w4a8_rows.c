@@ -35,13 +35,6 @@ void int4q_w4a8_split(const int8_t *xq, int64_t k, int8_t *even, int8_t *odd) {
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
-AVX2 static inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* f[g - g0] = scale[g] * xscale[g] for groups [g0, g1) of one channel; returns the sum over them of
  * zero * xsum - 8 * f * xqsum (the terms that need no codes). */
 AVX2 static float channel_factors(const uint16_t *scale, const uint16_t *zero, const float *xscale,
@@ -64,7 +57,7 @@ AVX2 static float channel_factors(const uint16_t *scale, const uint16_t *zero, c
         f[g - g0] = int4q_bf16_to_float(scale[g]) * xscale[g];
         tail += int4q_bf16_to_float(zero[g]) * xsum[g] - 8.0f * f[g - g0] * (float)xqsum[g];
     }
-    return horizontal_sum(bias) + tail;
+    return int4q_sum8(bias) + tail;
 }
 
 /* The int32 pair sums of one step: the codes of 32 row bytes against 32 even and 32 odd activations. */
@@ -113,7 +106,7 @@ AVX2 static inline __attribute__((always_inline)) void pass_avx2(
             }
         }
     }
-    for (int r = 0; r < nr; r++) out[c0 + r] = int4q_float_to_bf16(horizontal_sum(y[r]) + bias[r]);
+    for (int r = 0; r < nr; r++) out[c0 + r] = int4q_float_to_bf16(int4q_sum8(y[r]) + bias[r]);
 }
 
 AVX2 static void rows_avx2(const int8_t *even, const int8_t *odd, const float *xscale, const int32_t *xqsum,

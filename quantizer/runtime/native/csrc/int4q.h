@@ -35,6 +35,18 @@ static inline uint16_t int4q_float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#if INT4Q_X86
+#include <immintrin.h>
+
+/* The sum of a vector's eight floats (for the AVX2 kernels). */
+__attribute__((target("avx2,fma"))) static inline float int4q_sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
