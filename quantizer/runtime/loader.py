@@ -113,7 +113,7 @@ def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, 
         head_name = next(n for n, m in modules.items() if m is head)
         bits = 8 if isinstance(emb, Int8Lookup) else 4
         share = int8_tied_head if bits == 8 else tied_head
-        set_module(model, head_name, share(emb, **_kernel_options(qc, bits, EXACT)))
+        set_module(model, head_name, share(emb, **kernel_options(qc, bits, EXACT)))
     return set(quantized)
 
 
@@ -123,7 +123,8 @@ def is_quantized_tensor(name: str, quantized: set[str]) -> bool:
     return module_name in quantized and (attr in cpu_int4.SUFFIXES or attr == "bias")
 
 
-def _kernel_options(qc: QuantizationConfig, bits: int, activations: Activations) -> dict:
+def kernel_options(qc: QuantizationConfig, bits: int, activations: Activations) -> dict:
+    """The int4/int8 module options a checkpoint's config and an activation choice give."""
     options = dict(threshold=qc.dequant_threshold, prefill_dequant=qc.prefill_dequant)
     if bits == 4:
         options.update(direct_dequant=qc.direct_dequant, use_custom_op=qc.use_custom_op,
@@ -154,7 +155,7 @@ def _install(model, name: str, module, emb, reader: CheckpointReader, qc: Quanti
     if linear_dims(module) != (tensors[0].shape[0], k):
         raise InputError(f"{name}: quantized shape [{tensors[0].shape[0]}, {k}] does not fit "
                          f"{list(linear_dims(module))} ([out, in])")
-    options = _kernel_options(qc, scheme.bits, activations)
+    options = kernel_options(qc, scheme.bits, activations)
     if scheme.bits == 8:
         set_module(model, name, Int8Linear(*tensors, bias=bias, **options))
     else:

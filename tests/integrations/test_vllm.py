@@ -45,7 +45,7 @@ def test_vllm_generates_what_int4q_computes(smollm2_bf16, prompts, tmp_path, opt
     assert result.exit_code == 0, result.output
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    run = run_vllm(Path(VLLM_PYTHON), out, prompts_file, TOKENS)
+    run = run_vllm(Path(VLLM_PYTHON), [out], prompts_file, TOKENS)[0]
     assert "tokens" in run, run
     got = run["tokens"]
     with torch.inference_mode():
@@ -61,7 +61,7 @@ def test_a_fused_vllm_linear_with_mixed_schemes_is_refused_naming_its_parts(smol
     assert result.exit_code == 0, result.output
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    done = subprocess.run([VLLM_PYTHON, WORKER, out, prompts_file, str(TOKENS)], capture_output=True, text=True,
+    done = subprocess.run([VLLM_PYTHON, WORKER, prompts_file, str(TOKENS), out], capture_output=True, text=True,
                           cwd=tmp_path, timeout=1200)
     logged = done.stdout + done.stderr  # vLLM's workers log to stdout
     assert done.returncode != 0
