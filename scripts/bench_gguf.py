@@ -27,10 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (label, llama-quantize type, int4q --gguf-type); tables (token_embd/output) at Q8_0 on both sides.
-# Q4_K: llama-quantize --pure, every other tensor Q4_K as in int4q's file (no Q4_K_M mixture).
-TYPES = {"q4_0": ("Q4_0", "q4_0"), "q4_1": ("Q4_1", "q4_1"), "q4_k": ("Q4_K", "q4_k")}
-PURE = {"q4_k"}
+TABLES_Q8 = ("--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0")
+# label -> (llama-quantize's type, its options, int4q's options), so both files hold the same types:
+# the single types with their tables (token_embd/output) at Q8_0 on both sides (Q4_K: --pure, every
+# other tensor Q4_K or its fallback); the K_M mixtures as llama-quantize chooses them.
+TYPES = {
+    "q4_0": ("Q4_0", TABLES_Q8, ("--gguf-type", "q4_0", "--recipe", "table8")),
+    "q4_1": ("Q4_1", TABLES_Q8, ("--gguf-type", "q4_1", "--recipe", "table8")),
+    "q4_k": ("Q4_K", ("--pure", *TABLES_Q8), ("--gguf-type", "q4_k", "--recipe", "table8")),
+    "q4_k_m": ("Q4_K_M", (), ("--gguf-type", "q4_k_m")),
+    "q5_k_m": ("Q5_K_M", (), ("--gguf-type", "q5_k_m")),
+}
 METHODS = ("minmax", "weighted", "gptq")
 
 
@@ -103,14 +110,13 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
     """(label, file, seconds to make it) for every arm, each file made once."""
     made = []
     for label in args.types:
-        ltype, itype = TYPES[label]
+        ltype, llama_options, int4q_options = TYPES[label]
         for use_imatrix in (False, True):
             out = work / f"llama-{label}{'-imatrix' if use_imatrix else ''}.gguf"
             start = time.perf_counter()
             if not out.exists():
                 sh([args.llama_bin / "llama-quantize", *(["--imatrix", imatrix] if use_imatrix else []),
-                    *(["--pure"] if label in PURE else []),
-                    "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0", bf16, out, ltype], log)
+                    *llama_options, bf16, out, ltype], log)
             made.append((f"llama-quantize {ltype}{' + imatrix' if use_imatrix else ''}", out,
                          time.perf_counter() - start))
         for method in args.methods:
@@ -122,8 +128,7 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
                          "--imatrix-out", work / f"int4q-{label}-{method}-imatrix.gguf", "--overwrite"] \
                     if method != "minmax" else []
                 sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
-                    "gguf", "--gguf-type", itype, "--recipe", "table8", "--method", method, "--no-progress", *calib],
-                   log)
+                    "gguf", *int4q_options, "--method", method, "--no-progress", *calib], log)
             made.append((f"int4q {ltype} {method}", out, time.perf_counter() - start))
         if "weighted" in args.methods:
             made.append(with_int4q_imatrix(args, work, label, log))
@@ -132,13 +137,12 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
 
 def with_int4q_imatrix(args, work: Path, label: str, log: Path) -> tuple[str, Path, float]:
     """llama-quantize's file made with the importance matrix int4q's weighted run wrote."""
-    ltype, _ = TYPES[label]
+    ltype, llama_options, _ = TYPES[label]
     out = work / f"llama-{label}-int4q-imatrix.gguf"
     start = time.perf_counter()
     if not out.exists():
         sh([args.llama_bin / "llama-quantize", "--imatrix", work / f"int4q-{label}-weighted-imatrix.gguf",
-            *(["--pure"] if label in PURE else []), "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
-            work / "bf16.gguf", out, ltype], log)
+            *llama_options, work / "bf16.gguf", out, ltype], log)
     return f"llama-quantize {ltype} + int4q's imatrix (weighted run)", out, time.perf_counter() - start
 
 

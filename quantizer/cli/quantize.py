@@ -9,6 +9,7 @@ import click
 
 from ..formats import NAMES as FORMAT_NAMES
 from ..formats import RUNTIME_FORMAT
+from ..formats.gguf.types import GGUF_TYPES
 from ..quantize.recipes import RECIPES
 from ..spec.methods import METHODS, UNCALIBRATED
 from ..spec.methods import NAMES as METHOD_NAMES
@@ -50,9 +51,10 @@ def _bits(value: str | None) -> int | None:
          "--format gguf, whose blocks hold 32).",
 )
 @click.option("--method", default=UNCALIBRATED, show_default=True, type=click.Choice(METHOD_NAMES),
-              help="minmax: round-to-nearest on each group's min/max grid; weighted: round-to-nearest on grids "
-                   "chosen by the error weighted by each input column's mean squared activation (calibration "
-                   "text); gptq: GPTQ with calibration text.")
+              help="minmax: round-to-nearest on each group's min/max grid; weighted: grids chosen by the error "
+                   "weighted by each input column's mean squared activation, then codes moved where that lowers "
+                   "the output error on the inputs' correlations within blocks of 64 columns (calibration text, a "
+                   "minute for a small model); gptq: GPTQ with calibration text.")
 @click.option("--sym/--asym", "symmetric", default=None,
               help="Symmetric grid (zero fixed at 0) or asymmetric min/max grid.  [default: asym; sym for "
                    "--format gptq]")
@@ -62,13 +64,15 @@ def _bits(value: str | None) -> int | None:
                    "the largest smaller group that does (64, then 32; 8-bit when none does).")
 @click.option("--recipe", default="all4", show_default=True, type=click.Choice(list(RECIPES)),
               help="Per-module precision: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()) + ".")
-@click.option("--embedding-bits", type=click.Choice(["4", "8", "16"]),
-              help="Bits of the vocabulary table (16 keeps it in bf16). Default: the recipe's.")
-@click.option("--head-bits", type=click.Choice(["4", "8", "16"]),
-              help="Bits of the output head. Default: the table's when they are tied, else the recipe's.")
+@click.option("--embedding-bits", type=click.Choice(["4", "5", "6", "8", "16"]),
+              help="Bits of the vocabulary table (16 keeps it in bf16; 5 and 6 for --format gguf). Default: the "
+                   "recipe's.")
+@click.option("--head-bits", type=click.Choice(["4", "5", "6", "8", "16"]),
+              help="Bits of the output head (5 and 6 for --format gguf). Default: the table's when they are tied, "
+                   "else the recipe's (the K_M --gguf-types: Q6_K, as llama-quantize).")
 @click.option("--override", "overrides", multiple=True, metavar="PATTERN=BITS[:GROUP]",
               help="Bits (and group) for modules named PATTERN or ending in .PATTERN, e.g. down_proj=8, "
-                   "lm_head=4:32, mlp.up_proj=16; repeatable, the last match wins.")
+                   "lm_head=4:32, mlp.up_proj=16 (5 and 6 for --format gguf); repeatable, the last match wins.")
 @click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16 (--embedding-bits 16).")
 @click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
@@ -108,10 +112,12 @@ def _bits(value: str | None) -> int | None:
                    "g_idx) for vLLM's W4A8 CPU path and GPTQ loaders, the embedding then bf16; AWQ's layout (the "
                    "asymmetric grid vLLM's CPU backend runs); or one .gguf file for llama.cpp, Ollama and LM Studio, "
                    "written by llama.cpp's own converter.")
-@click.option("--gguf-type", type=click.Choice(["q4_0", "q4_1", "q4_k"]),
-              help="[gguf] The 4-bit block type: q4_0 (symmetric, --sym), q4_1 (asymmetric, the default) or q4_k "
-                   "(asymmetric super-blocks of 256, Q4_1 for rows 256 does not divide); 8-bit modules are Q8_0, "
-                   "kept ones as llama.cpp's converter writes them.")
+@click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)),
+              help="[gguf] llama.cpp's file type: q4_0 and q5_0 (symmetric), q4_1 (the default) and q5_1; q4_k, "
+                   "q5_k, q6_k (every module in 256-weight super-blocks, like llama-quantize --pure); q4_k_m, q5_k_m "
+                   "(llama-quantize's mixtures: Q6_K for the head and for attn_v and ffn_down in its chosen layers). "
+                   "Rows 256 does not divide fall back as llama-quantize does (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to "
+                   "Q8_0); 8-bit modules are Q8_0, kept ones as llama.cpp's converter writes them.")
 @click.option("--imatrix-out", type=click.Path(path_type=Path, dir_okay=False),
               help="[gptq, weighted] Also write the calibration's per-column mean squared activations as llama.cpp's "
                    "importance-matrix file (.gguf, as llama-imatrix writes it), for llama-quantize --imatrix. "

@@ -9,6 +9,8 @@ does not import torch, so the CLI can list the names cheaply.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import UnsupportedError
@@ -19,6 +21,16 @@ if TYPE_CHECKING:
     from ..io.shards import TensorSpec
     from ..methods.grid import ChannelQuantized, GroupQuantized, Storage
     from ..spec.scheme import ModuleScheme
+
+@dataclass(frozen=True)
+class SourceModel:
+    """What a format may consult about the source while fitting schemes: its folder, config.json,
+    and each quantized layer module's source weight shape."""
+
+    model_dir: Path
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+
 
 # --format name -> module in this package
 MODULES = {"cpu_int4": "cpu_int4", "gptq": "gptq_v1", "awq": "awq", "gguf": "gguf"}
@@ -41,9 +53,11 @@ class CheckpointFormat(Protocol):
     group_sizes: tuple[int, ...]  # the 4-bit group sizes it can hold
     out_dim_multiple: int  # what every quantized module's output dim must be a multiple of
     one_group_size: bool  # its config holds one group size for every 4-bit module
+    head_bits: int | None  # the head's precision its type implies (GGUF's K_M mixtures), else None
 
-    def grid_storage(self, symmetric: bool) -> Storage:
-        """How it stores a run's 4-bit grids (and 8-bit scales), which the methods round against."""
+    def grid_storage(self, scheme: ModuleScheme, k: int) -> Storage:
+        """How it stores the grids (or 8-bit scales) of a module with this scheme and input dim k,
+        which the methods round against."""
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         """The tensors (names, dtypes, shapes) that ``tensors`` returns for a [N, K] weight."""
@@ -52,8 +66,10 @@ class CheckpointFormat(Protocol):
                 scheme: ModuleScheme) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one weight quantized on ``scheme``, by full name."""
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
-        """Change in place the schemes it cannot store for a module's input dim; a note for each."""
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int],
+                    source: SourceModel | None = None) -> dict[str, str]:
+        """Change in place the schemes its type decides (GGUF's file types) and the ones it cannot
+        store for a module's input dim; a note for each of the latter."""
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         """The ``quantization_config`` written to config.json for a run with this QuantizationConfig

@@ -34,7 +34,9 @@ class CpuInt4Format:
     description = "cpu_int4 (uint8 nibbles, bf16 scale and zero per group)"
     read_by = "int4q's runtime and vLLM's cpu_int4 reader"
 
-    def grid_storage(self, symmetric: bool) -> Storage:
+    head_bits = None
+
+    def grid_storage(self, scheme: ModuleScheme, k: int) -> Storage:
         return BF16
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
@@ -55,7 +57,7 @@ class CpuInt4Format:
             values = (pack_nibbles(quantized.codes), quantized.scale, quantized.zero)
         return {f"{module}.{suffix}": t for suffix, t in zip(SUFFIXES, values)}
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
         return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:

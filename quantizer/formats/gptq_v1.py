@@ -105,7 +105,9 @@ class GptqV1Format:
     one_group_size = True
     read_by = "vLLM and GPTQ loaders"
 
-    def grid_storage(self, symmetric: bool) -> Storage:
+    head_bits = None
+
+    def grid_storage(self, scheme: ModuleScheme, k: int) -> Storage:
         return INTEGER_ZERO
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
@@ -119,7 +121,7 @@ class GptqV1Format:
     def tensors(self, module: str, gq: GroupQuantized, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
         return gptq_tensors(module, gq)
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
         return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:

@@ -5,9 +5,9 @@ quantized one at a time and each column's rounding error is spread over the colu
 quantized, weighted by the inverse Hessian (its upper Cholesky factor, "Hinv"), in lazy
 blocks of ``block_size`` columns.
 
-Groups use the cpu_int4 grid (see grid.py). With ``act_order`` columns are visited in order
-of decreasing diag(H), and the groups stay *static*: each contiguous group's scale and zero
-are fixed up front from the original weights, so the result needs no g_idx. Groups stored in
+Groups use the format's grid (see grid.py). With ``act_order`` columns are visited in order of
+decreasing diag(H), and the groups stay *static*: each contiguous group's scale and zero are
+fixed up front from the original weights, so the result needs no g_idx. Groups stored in
 K-quant super-blocks are static too, their grids fixed before the first column.
 """
 
@@ -189,8 +189,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: 
     weights = torch.diag(H).to(torch.float32).masked_fill(factor.dead, 0.0) if weighted_grids else None
     parts = [_solve_rows(rows, factor, group_size, symmetric, act_order, block_size, storage, weights)
              for rows in W.split(ROW_CHUNK)]
-    gq = GroupQuantized(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.zero) for p in parts))))
-    return gq, factor.info
+    return GroupQuantized.cat(parts), factor.info
 
 
 def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, block_size, storage,
@@ -237,12 +236,12 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
                 s, z = params_of(cols.unsqueeze(1), a)
                 scale[:, group_of[a]], zero[:, group_of[a]] = s[:, 0], z[:, 0]
                 grid.set(range(a, a + group_size), s[:, 0], z[:, 0])
-            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1)
+            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits)
         W[:, i2:] -= Err1.t().contiguous() @ U[i1:i2, i2:]
     codes = codes.t().to(torch.uint8)
     if act_order:
         codes = codes[:, torch.argsort(perm)]
-    return GroupQuantized(codes, scale, zero)
+    return GroupQuantized(codes, scale, zero, storage.bits)
 
 
 def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:

@@ -7,19 +7,14 @@ arithmetic in the same order, so the same codes and weights to the bit:
 - torch, one column at a time (a few small operations per column).
 
 The native kernel proves itself on first use against the torch loop; where it fails, one warning
-names the fallback."""
+names the fallback (:mod:`.native`)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from .grid import MID, QMAX
-
-log = logging.getLogger(__name__)
-
-_native: list = []  # [the checked kernel, or None once found unusable]
+from .codes import code_range
+from .native import CheckedKernel
 
 
 class ColumnGrids:
@@ -46,51 +41,38 @@ class ColumnGrids:
 
 
 def solve_columns(W1: torch.Tensor, U1: torch.Tensor, grids: tuple[torch.Tensor, ...], codes: torch.Tensor,
-                  err: torch.Tensor, first: int, last: int) -> None:
+                  err: torch.Tensor, first: int, last: int, bits: int = 4) -> None:
     """Columns [first, last) of a block: W1 [b, n] fp32 (the block's columns as rows, updated in
     place), U1 [b, b] the factor's block (contiguous), ``grids`` from :meth:`ColumnGrids.block`; writes their
-    codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n]."""
-    kernel = _native_kernel() if W1.device.type == "cpu" else None
-    (kernel or torch_columns)(W1, U1, grids, codes, err, first, last)
+    ``bits``-bit codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n]."""
+    kernel = KERNEL() if W1.device.type == "cpu" else torch_columns
+    kernel(W1, U1, grids, codes, err, first, last, bits)
 
 
-def torch_columns(W1, U1, grids, codes, err, first: int, last: int) -> None:
+def torch_columns(W1, U1, grids, codes, err, first: int, last: int, bits: int = 4) -> None:
     """:func:`solve_columns` in torch, one column at a time."""
     scale, zero, safe, flat = grids
+    mid, qmax = code_range(bits)
     any_flat = bool(flat[first:last].any())
     for i in range(first, last):
         w = W1[i]
-        q = torch.round((w - zero[i]) / safe[i] + MID, out=codes[i]).clamp_(0, QMAX)
+        q = torch.round((w - zero[i]) / safe[i] + mid, out=codes[i]).clamp_(0, qmax)
         if any_flat:
-            q.masked_fill_(flat[i], float(MID))
-        deq = (q - MID) * scale[i] + zero[i]
+            q.masked_fill_(flat[i], float(mid))
+        deq = (q - mid) * scale[i] + zero[i]
         e = torch.div(w - deq, U1[i, i], out=err[i])
         W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e
 
 
-def _native_kernel():
-    if not _native:
-        _native.append(_checked(_find_native()))
-    return _native[0]
-
-
-def _find_native():
-    from ..runtime.native.library import load_unless_off, ops
-
-    library = load_unless_off(ops, "GPTQ's column loop in torch", "Reinstall int4q")
-    if library is None:
-        return None
-
-    def native(W1, U1, grids, codes, err, first, last):
-        library.gptq_columns(W1, U1, *grids, codes, err, first, last)
+def _operator(library):
+    def native(W1, U1, grids, codes, err, first, last, bits=4):
+        library.gptq_columns(W1, U1, *grids, codes, err, first, last, code_range(bits)[1])
     return native
 
 
-def _checked(kernel):
-    """``kernel`` where it reproduces the torch loop bit for bit on a block with a flat column,
-    rows that fill no whole chunk and a partial range of columns; else None after one warning."""
-    if kernel is None:
-        return None
+def _probe(kernel) -> list[torch.Tensor]:
+    """A block with a flat column, rows that fill no whole chunk and a partial range of columns,
+    for 4- and 6-bit codes: what ``kernel`` writes."""
     g = torch.Generator().manual_seed(0)
     b, n = 40, 157
     grids = ColumnGrids(n, b, "cpu")
@@ -98,13 +80,12 @@ def _checked(kernel):
     grids.set(range(5, 6), torch.zeros(n), torch.zeros(n))
     U1 = (torch.randn(b, b, generator=g) * 0.1).triu() + torch.eye(b)
     W = torch.randn(b, n, generator=g)
-    results = []
-    for run in (kernel, torch_columns):
+    written = []
+    for bits in (4, 6):
         W1, codes, err = W.clone(), torch.zeros(b, n), torch.zeros(b, n)
-        run(W1, U1, grids.block(0, b), codes, err, 3, 37)
-        results.append((W1, codes, err))
-    if not all(torch.equal(a, t) for a, t in zip(*results)):
-        log.warning("int4q's GPTQ column kernel gives other results than torch here and is not used; "
-                    "the column loop runs in torch (slower)")
-        return None
-    return kernel
+        kernel(W1, U1, grids.block(0, b), codes, err, 3, 37, bits)
+        written += [W1, codes, err]
+    return written
+
+
+KERNEL = CheckedKernel(torch_columns, _operator, _probe, "GPTQ column loop")

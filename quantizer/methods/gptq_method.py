@@ -3,6 +3,7 @@ and each linear is solved by :func:`quantizer.methods.gptq.gptq_quantize`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,9 @@ class GptqSettings:
 
 @dataclass(frozen=True)
 class GptqMethod:
-    """GPTQ with ``settings`` (None: the defaults); ``storage``: how the format stores
-    the grids."""
+    """GPTQ with ``settings`` (None: the defaults)."""
 
     settings: GptqSettings | None = None
-    storage: Storage = BF16
 
     def __post_init__(self) -> None:
         if self.settings is None:
@@ -43,15 +42,17 @@ class GptqMethod:
         o = self.settings
         return {"act_order": o.act_order, "damp": o.damp, "weighted_grids": o.weighted_grids}
 
-    def quantize(self, weight: torch.Tensor, stats: HessianAccumulator, scheme: ModuleScheme) -> tuple[GroupQuantized, dict]:
-        """GPTQ one weight; the entry compares it with round-to-nearest on the same objective. An
-        8-bit module is rounded to nearest: its error is already far below the 4-bit modules'."""
+    def quantize(self, weight: torch.Tensor, stats: HessianAccumulator, scheme: ModuleScheme,
+                 storage: Storage = BF16) -> tuple[GroupQuantized, dict]:
+        """GPTQ one weight onto its grids as ``storage`` holds them; the entry compares it with
+        round-to-nearest on the same objective. An 8-bit module is rounded to nearest: its error
+        is already far below the 4-bit modules'."""
         if scheme.bits == 8:
-            q, err = quantize_rtn(weight, scheme, storage=self.storage)
+            q, err = quantize_rtn(weight, scheme, storage=storage)
             return q, {**err.as_dict(), "method": UNCALIBRATED}
         o, H = self.settings, stats.H
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
-                                 damp=o.damp, block_size=o.block_size, storage=self.storage,
+                                 damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
         err, gptq_loss, rtn_loss = ErrorStats(), 0.0, 0.0
         for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head
@@ -60,7 +61,8 @@ class GptqMethod:
             deq = gq.rows(rows).dequantize()
             err.add(w, deq)
             gptq_loss += proxy_loss(w, deq, H)
-            rtn = quantize_groupwise(w, scheme.group_size, symmetric=scheme.symmetric).dequantize()
+            rtn = quantize_groupwise(w, scheme.group_size, symmetric=scheme.symmetric,
+                                     storage=dataclasses.replace(BF16, bits=storage.bits)).dequantize()
             rtn_loss += proxy_loss(w, rtn, H)
         return gq, {
             **err.as_dict(), "method": "gptq", "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,

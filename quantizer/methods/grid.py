@@ -8,9 +8,12 @@ bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8)
 * symmetric: ``zero = 0`` and ``scale = max(-min / 8, max / 7)``, the smallest step whose grid
   [-8, 7] * scale still covers the group.
 
+GGUF's 5- and 6-bit types use the same grids with wider codes (``Storage.bits``: 0..31 around 16,
+0..63 around 32; see :mod:`.codes`).
+
 Codes are always chosen against the scale and zero *as stored* (:class:`Storage`: bf16 for
 cpu_int4, fp16 and an integer or fp16 zero for the GPTQ and GGUF layouts, or GGUF's K-quant
-super-blocks, whose groups' scales and minimums are 6-bit multiples of two fp16 values each).
+super-blocks, see :mod:`.superblock`).
 
 8-bit modules use symmetric grids, ``w = q * scale`` with q in [-127, 127]: one per output
 channel, or (``Storage.int8_block``) one per block of consecutive input columns.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codes import MID, QMAX, dequantize_codes, grid_values, group_sq_error, round_to_grid  # noqa: F401 (re-exported)
+from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, group_sq_error, round_to_grid  # noqa: F401
 from .superblock import superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -45,9 +48,9 @@ class Storage:
     columns per 8-bit scale (None: one per output channel). ``signed_scale``: a symmetric grid may
     take a negative scale, so that a group's largest magnitude gets code 0 whatever its sign (an
     eighth of it a step, as llama.cpp's Q4_0 does) instead of a seventh when it is positive.
-    ``superblock``: groups per K-quant super-block (asymmetric grids only), whose scales and
-    minimums (at most 0) are 0..63 times one fp16 unit each; a row whose groups do not fill
-    super-blocks is stored as this storage without them.
+    ``superblock``: groups per K-quant super-block, whose grids are stored as levels of fp16
+    units (see :mod:`.superblock`); a row whose groups do not fill super-blocks is stored as this
+    storage without them. ``bits``: the width of the group codes (4, or GGUF's 5 and 6).
     """
 
     scale_dtype: torch.dtype = torch.bfloat16
@@ -55,6 +58,7 @@ class Storage:
     int8_block: int | None = None
     signed_scale: bool = False
     superblock: int | None = None
+    bits: int = 4
 
     @property
     def exact_dtype(self) -> torch.dtype:
@@ -73,32 +77,42 @@ class Storage:
         (then stored by :func:`superblock_grids`) where super-blocks couple them, else itself
         without super-blocks."""
         if self.couples(groups):
-            return FP32
+            return dataclasses.replace(self, scale_dtype=torch.float32, zero="float", superblock=None)
         return dataclasses.replace(self, superblock=None) if self.superblock else self
 
 
 BF16 = Storage()
-FP32 = Storage(torch.float32)
 INTEGER_ZERO = Storage(torch.float16, "integer")
 
 
 @dataclass(frozen=True)
 class GroupQuantized:
-    """A quantized weight: codes uint8 [N, K] in 0..15, scale and zero bf16 [N, K // group_size]."""
+    """A quantized weight: codes uint8 [N, K] in 0..2^bits - 1 (0..15), scale and zero bf16
+    [N, K // group_size] (or as the format stores them)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    bits: int = 4
 
     @property
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scale.shape[1]
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize_codes(self.codes, self.scale, self.zero, dtype)
+        return dequantize_codes(self.codes, self.scale, self.zero, dtype, self.bits)
 
     def rows(self, rows: slice) -> "GroupQuantized":
-        return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows])
+        return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows], self.bits)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.scale, self.zero
+
+    @classmethod
+    def cat(cls, parts: list["GroupQuantized"]) -> "GroupQuantized":
+        """Row chunks [n_i, K] of one weight joined into one."""
+        return cls(*(torch.cat(t) for t in zip(*(p.tensors for p in parts))), parts[0].bits)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -123,19 +137,20 @@ def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
     if storage.superblock:
         own = storage.for_row(lo.shape[-1])
         params = grid_params(lo, hi, symmetric, own)
-        return superblock_grids(*params, storage.superblock) if own is FP32 else params
+        return superblock_grids(*params, storage, symmetric) if storage.couples(lo.shape[-1]) else params
+    mid, qmax = code_range(storage.bits)
     if symmetric:
         if storage.signed_scale:
-            return stored_symmetric(torch.where(hi > -lo, -hi / MID, -lo / MID), storage)
-        return stored_symmetric(torch.maximum(-lo / MID, hi / (QMAX - MID)).clamp(min=0.0), storage)
-    scale = (hi - lo) / QMAX
+            return stored_symmetric(torch.where(hi > -lo, -hi / mid, -lo / mid), storage)
+        return stored_symmetric(torch.maximum(-lo / mid, hi / (qmax - mid)).clamp(min=0.0), storage)
+    scale = (hi - lo) / qmax
     if storage.zero == "float":
-        return scale.to(storage.scale_dtype), (lo + MID * scale).to(storage.scale_dtype)
+        return scale.to(storage.scale_dtype), (lo + mid * scale).to(storage.scale_dtype)
     scale = scale.to(storage.scale_dtype).to(torch.float32)
     if storage.zero == "min":
-        return scale, lo.to(storage.scale_dtype).to(torch.float32) + MID * scale
-    z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, QMAX)
-    return scale, (MID - z) * scale
+        return scale, lo.to(storage.scale_dtype).to(torch.float32) + mid * scale
+    z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, qmax)
+    return scale, (mid - z) * scale
 
 
 def stored_symmetric(scale: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,26 +170,25 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     """
     chunks = _row_chunks(w.shape[0], w.shape[1])
     if len(chunks) > 1:
-        parts = [quantize_groupwise(w[rows], group_size, symmetric, clip_search, storage, column_weights)
-                 for rows in chunks]
-        return GroupQuantized(*(torch.cat(t) for t in zip(*((p.codes, p.scale, p.zero) for p in parts))))
+        return GroupQuantized.cat([quantize_groupwise(w[rows], group_size, symmetric, clip_search, storage,
+                                                      column_weights) for rows in chunks])
     g = _grouped(w, group_size)
+    bits = storage.bits
     if storage.superblock:
-        own = storage.for_row(g.shape[1])
-        free = quantize_groupwise(w, group_size, symmetric, clip_search, own, column_weights)
-        if own is not FP32:
+        free = quantize_groupwise(w, group_size, symmetric, clip_search, storage.for_row(g.shape[1]), column_weights)
+        if not storage.couples(g.shape[1]):
             return free
         weights = None if column_weights is None else column_weights.reshape(g.shape[1:])
-        scale, zero = superblock_grids(free.scale, free.zero, storage.superblock, g, weights)
-        return GroupQuantized(round_to_grid(g, scale, zero).reshape(w.shape), scale, zero)
+        scale, zero = superblock_grids(free.scale, free.zero, storage, symmetric, g, weights)
+        return GroupQuantized(round_to_grid(g, scale, zero, bits).reshape(w.shape), scale, zero, bits)
     if column_weights is not None:
         scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, storage)
-        return GroupQuantized(codes.reshape(w.shape), scale, zero)
+        return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
-    codes = round_to_grid(g, scale, zero)
+    codes = round_to_grid(g, scale, zero, bits)
     if clip_search:
-        best_err = group_sq_error(g, codes, scale, zero)
+        best_err = group_sq_error(g, codes, scale, zero, bits=bits)
         for shrink in CLIP_SHRINKS[1:]:
             if symmetric:
                 s_lo, s_hi = lo * shrink, hi * shrink
@@ -182,15 +196,14 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
                 mid = (lo + hi) / 2
                 s_lo, s_hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
             s2, z2 = grid_params(s_lo, s_hi, symmetric, storage)
-            c2 = round_to_grid(g, s2, z2)
-            err = group_sq_error(g, c2, s2, z2)
+            c2 = round_to_grid(g, s2, z2, bits)
+            err = group_sq_error(g, c2, s2, z2, bits=bits)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             scale = torch.where(better, s2, scale)
             zero = torch.where(better, z2, zero)
             codes = torch.where(better.unsqueeze(-1), c2, codes)
-    n, k = w.shape
-    return GroupQuantized(codes.reshape(n, k), scale, zero)
+    return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
 
 
 def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool,
@@ -207,32 +220,33 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     if len(chunks) > 1:
         parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
         return tuple(torch.cat(t) for t in zip(*parts))
+    bits = storage.bits
     if storage.superblock:
-        own = storage.for_row(g.shape[1])
-        scale, zero, codes = weighted_grid_search(g, weights, symmetric, own)
-        if own is not FP32:
+        scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage.for_row(g.shape[1]))
+        if not storage.couples(g.shape[1]):
             return scale, zero, codes
-        scale, zero = superblock_grids(scale, zero, storage.superblock, g, weights)
-        return scale, zero, round_to_grid(g, scale, zero)
+        scale, zero = superblock_grids(scale, zero, storage, symmetric, g, weights)
+        return scale, zero, round_to_grid(g, scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
-    best = group_sq_error(g, round_to_grid(g, scale, zero), scale, zero, weights)
+    best = group_sq_error(g, round_to_grid(g, scale, zero, bits), scale, zero, weights, bits)
     mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
     for shrink in WEIGHTED_SHRINKS:
         c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, storage)
-        c_codes = round_to_grid(g, c_scale, c_zero)
+        c_codes = round_to_grid(g, c_scale, c_zero, bits)
         refit = _least_squares_grid(g, c_codes, weights, symmetric, storage)
-        for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit))):
-            err = group_sq_error(g, c_codes, c_scale, c_zero, weights)
+        for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit, bits))):
+            err = group_sq_error(g, c_codes, c_scale, c_zero, weights, bits)
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
-    return scale, zero, round_to_grid(g, scale, zero)
+    return scale, zero, round_to_grid(g, scale, zero, bits)
 
 
 def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
-    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - 8) * scale + zero."""
-    u = codes.to(torch.float32) - MID
+    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - mid) * scale + zero."""
+    mid, qmax = code_range(storage.bits)
+    u = codes.to(torch.float32) - mid
     sw, su, suu = weights.sum(-1), (weights * u).sum(-1), (weights * u * u).sum(-1)
     sw_w, su_w = (weights * g).sum(-1), (weights * u * g).sum(-1)
     if symmetric:
@@ -241,7 +255,7 @@ def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
     det = (suu * sw - su * su).clamp(min=1e-30)
     scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
     scale = scale.clamp(min=0.0)
-    lo, hi = zero - MID * scale, zero + (QMAX - MID) * scale
+    lo, hi = zero - mid * scale, zero + (qmax - mid) * scale
     return grid_params(lo, hi, symmetric, storage)
 
 

@@ -23,7 +23,7 @@ from .grid import (
 
 def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, storage: Storage = BF16,
                  column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
-    """Round-to-nearest on the scheme's grid (4-bit groups or 8-bit channels), in row chunks
+    """Round-to-nearest on the scheme's grid (groups of 4 to 6 bits, or 8-bit channels), in row chunks
     written into one result (no concatenated copies); the error statistics against ``weight``.
     ``column_weights`` [K]: 4-bit grids chosen by the weighted search (see grid.quantize_groupwise)."""
     stats = ErrorStats()
@@ -37,14 +37,16 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
                                       storage=storage, column_weights=column_weights)
         stats.add(rows, part.dequantize())
         if out is None:
-            out = type(part)(*(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in _fields(part)))
-        for mine, theirs in zip(_fields(out), _fields(part)):
-            mine[start:start + ROW_CHUNK] = theirs
+            out = dataclasses.replace(part, **{name: torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype,
+                                                                 device=t.device) for name, t in _tensors(part)})
+        for name, t in _tensors(part):
+            getattr(out, name)[start:start + ROW_CHUNK] = t
     return out, stats
 
 
-def _fields(q: GroupQuantized | ChannelQuantized) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(q, f.name) for f in dataclasses.fields(q))
+def _tensors(q: GroupQuantized | ChannelQuantized) -> list[tuple[str, torch.Tensor]]:
+    """The quantized weight's tensor fields, by name."""
+    return [(f.name, getattr(q, f.name)) for f in dataclasses.fields(q) if isinstance(getattr(q, f.name), torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,9 @@ class RtnSettings:
 
 @dataclass(frozen=True)
 class RoundToNearest:
-    """Round-to-nearest with ``settings``; ``storage``: how the format stores the grids."""
+    """Round-to-nearest with ``settings``."""
 
     settings: RtnSettings | None = None
-    storage: Storage = BF16
 
     def __post_init__(self) -> None:
         if self.settings is None:
@@ -66,8 +67,9 @@ class RoundToNearest:
     def calibration_record(self) -> dict:
         return {}
 
-    def quantize(self, weight: torch.Tensor, stats: None,
-                 scheme: ModuleScheme) -> tuple[GroupQuantized | ChannelQuantized, dict]:
-        """The weight on the scheme's grid and its error statistics (``stats`` is unused)."""
-        q, err = quantize_rtn(weight, scheme, self.settings.clip_search, self.storage)
+    def quantize(self, weight: torch.Tensor, stats: None, scheme: ModuleScheme,
+                 storage: Storage = BF16) -> tuple[GroupQuantized | ChannelQuantized, dict]:
+        """The weight on the scheme's grid as ``storage`` holds it, and its error statistics
+        (``stats`` is unused)."""
+        q, err = quantize_rtn(weight, scheme, self.settings.clip_search, storage)
         return q, err.as_dict()

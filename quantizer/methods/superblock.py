@@ -1,49 +1,66 @@
-"""K-quant super-blocks: groups whose steps and minimums are stored as 6-bit multiples (0..63) of
-two fp16 units per super-block, as GGUF's Q4_K holds them. Pure tensor functions."""
+"""K-quant super-blocks: groups whose grids are stored as integer levels of fp16 units, one set
+of units per super-block, as GGUF's K-quants hold them. Pure tensor functions.
+
+* asymmetric (Q4_K, Q5_K): each group's step and minimum (its lowest point, at most 0) are
+  levels 0..63 of two fp16 units;
+* symmetric (Q6_K): each group's signed step is a level -128..127 of one fp16 unit.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .codes import MID, QMAX, group_sq_error, round_to_grid
+from .codes import code_range, group_sq_error, round_to_grid
 
-SUPER_LEVELS = 63
+SUPER_LEVELS = 63  # the asymmetric super-blocks' 6-bit levels
+SIGNED_LEVELS = (-128, 127)  # the symmetric super-blocks' 8-bit levels
 LEVEL_STEPS = (0, -1, 1)  # level changes tried per group, for its step and its minimum
 
 
-def superblock_grids(scale: torch.Tensor, zero: torch.Tensor, per_block: int, g: torch.Tensor | None = None,
+def superblock_grids(scale: torch.Tensor, zero: torch.Tensor, storage, symmetric: bool, g: torch.Tensor | None = None,
                      weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's grid (scale, zero) [N, G] as super-blocks of ``per_block`` groups store it:
-    the grid's lowest point raised to at most 0, the step kept covering its top, then step and
-    -lowest each rounded to a level 0..63 of the super-block's fp16 unit (its largest value / 63).
+    """Each group's grid (scale, zero) [N, G] as super-blocks of ``storage.superblock`` groups
+    store it (``storage.bits``-bit codes). Asymmetric: the grid's lowest point raised to at most
+    0, the step kept covering its top, then step and -lowest each rounded to a level 0..63 of the
+    super-block's fp16 unit (its largest value / 63). Symmetric: each signed step rounded to a
+    level -128..127 of the unit that puts the largest step at -128 (as llama.cpp's Q6_K).
 
-    With the weights g [N, G, group] (fp32), each group's two levels are then moved by -1, 0 or +1
-    to the pair whose nearest codes give the least squared error on g (weighted by ``weights``
+    With the weights g [N, G, group] (fp32), each group's levels are then moved by -1, 0 or +1 to
+    the ones whose nearest codes give the least squared error on g (weighted by ``weights``
     [G, group]), the units staying fixed. Returns fp64 (scale, zero), exact in the stored values.
     """
     n, groups = scale.shape
-    scale, zero = scale.to(torch.float32), zero.to(torch.float32)
-    low = torch.minimum(zero - MID * scale, torch.zeros_like(zero))
-    step = ((zero + (QMAX - MID) * scale - low) / QMAX).clamp(min=0.0)
-    step_unit, step_levels = _six_bit(step.reshape(n, groups // per_block, per_block))
-    min_unit, min_levels = _six_bit((-low).reshape(n, groups // per_block, per_block))
+    per_block, bits = storage.superblock, storage.bits
+    blocks = (n, groups // per_block, per_block)
+    if symmetric:
+        unit, levels = _signed_levels(scale.to(torch.float32).reshape(blocks))
 
-    def grid(ds: int, dm: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = (step_unit * (step_levels + ds).clamp(0, SUPER_LEVELS)).reshape(n, groups)
-        return s, MID * s - (min_unit * (min_levels + dm).clamp(0, SUPER_LEVELS)).reshape(n, groups)
+        def grid(ds: int, dm: int) -> tuple[torch.Tensor, torch.Tensor]:
+            s = (unit * (levels + ds).clamp(*SIGNED_LEVELS)).reshape(n, groups)
+            return s, torch.zeros_like(s)
+        moves = [(ds, 0) for ds in LEVEL_STEPS]
+    else:
+        mid, qmax = code_range(bits)
+        scale, zero = scale.to(torch.float32), zero.to(torch.float32)
+        low = torch.minimum(zero - mid * scale, torch.zeros_like(zero))
+        step = ((zero + (qmax - mid) * scale - low) / qmax).clamp(min=0.0)
+        step_unit, step_levels = _six_bit(step.reshape(blocks))
+        min_unit, min_levels = _six_bit((-low).reshape(blocks))
 
+        def grid(ds: int, dm: int) -> tuple[torch.Tensor, torch.Tensor]:
+            s = (step_unit * (step_levels + ds).clamp(0, SUPER_LEVELS)).reshape(n, groups)
+            return s, mid * s - (min_unit * (min_levels + dm).clamp(0, SUPER_LEVELS)).reshape(n, groups)
+        moves = [(ds, dm) for ds in LEVEL_STEPS for dm in LEVEL_STEPS]
     best_scale, best_zero = grid(0, 0)
     if g is None:
         return best_scale, best_zero
-    best = group_sq_error(g, round_to_grid(g, best_scale, best_zero), best_scale, best_zero, weights)
-    for ds in LEVEL_STEPS:
-        for dm in LEVEL_STEPS:
-            if ds or dm:
-                s, z = grid(ds, dm)
-                err = group_sq_error(g, round_to_grid(g, s, z), s, z, weights)
-                better = err < best
-                best = torch.where(better, err, best)
-                best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)
+    best = group_sq_error(g, round_to_grid(g, best_scale, best_zero, bits), best_scale, best_zero, weights, bits)
+    for ds, dm in moves[1:]:
+        s, z = grid(ds, dm)
+        err = group_sq_error(g, round_to_grid(g, s, z, bits), s, z, weights, bits)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)
     return best_scale, best_zero
 
 
@@ -52,3 +69,11 @@ def _six_bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     levels 0..63 [..., B] as fp64)."""
     unit = (values.amax(dim=-1, keepdim=True) / SUPER_LEVELS).to(torch.float16).to(torch.float64)
     return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).clamp_(0, SUPER_LEVELS)
+
+
+def _signed_levels(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [..., B] (fp32, signed) -> (one fp16 unit per [...] as fp64 [..., 1]: minus the
+    value of largest magnitude over 128, the nearest levels -128..127 [..., B] as fp64)."""
+    top = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))
+    unit = (-top / -SIGNED_LEVELS[0]).to(torch.float16).to(torch.float64)
+    return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).clamp_(*SIGNED_LEVELS)

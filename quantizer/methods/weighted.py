@@ -1,6 +1,8 @@
-"""Activation-weighted round-to-nearest as a method of the layer-wise driver: its statistic is
-each input column's mean squared activation (the diagonal of XᵀX / n, llama.cpp's importance
-matrix), and each group's grid is the one that minimises the error weighted by it."""
+"""Activation-weighted rounding as a method of the layer-wise driver. Its statistic is the inputs'
+second moment XᵀX / n on diagonal blocks of consecutive input columns: its diagonal (each
+column's mean squared activation, llama.cpp's importance matrix) weights each group's grid
+search, and the blocks then move codes off their nearest grid point where that lowers the
+expected output error (:mod:`.rounding`)."""
 
 from __future__ import annotations
 
@@ -11,21 +13,27 @@ import torch
 
 from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
-from .grid import BF16, ChannelQuantized, GroupQuantized, Storage
+from .error_stats import ErrorStats
+from .grid import BF16, ROW_CHUNK, ChannelQuantized, GroupQuantized, Storage
+from .rounding import refine_codes
 from .rtn import quantize_rtn
 
+BLOCK = 64  # input columns per block of the second moment (or the largest power of two dividing K)
 
-class ColumnMeanSquare:
-    """The running mean of x² per input column of a linear."""
+
+class BlockSecondMoment:
+    """The running mean of x xᵀ over a linear's inputs on diagonal blocks of :data:`BLOCK` columns."""
 
     def __init__(self, k: int, device: str | torch.device = "cpu"):
-        self.sum = torch.zeros(k, dtype=torch.float64, device=device)
+        b = next(b for b in (BLOCK, 32, 16, 8, 4, 2, 1) if k % b == 0)
+        self.sum = torch.zeros(k // b, b, b, dtype=torch.float64, device=device)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        self.sum += x.pow(2).sum(0).to(torch.float64)
-        self.n += x.shape[0]
+        groups, b, _ = self.sum.shape
+        x = x.reshape(-1, groups, b).to(torch.float32).transpose(0, 1)  # [G, rows, b]
+        self.sum += (x.transpose(1, 2) @ x).to(torch.float64)
+        self.n += x.shape[1]
 
     def merge(self, sum_across: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Become the statistic of every process's rows (``sum_across`` sums in place over them)."""
@@ -33,9 +41,14 @@ class ColumnMeanSquare:
         self.n = int(sum_across(torch.tensor([self.n], dtype=torch.float64)).item())
 
     @property
-    def value(self) -> torch.Tensor:
-        """[K] fp32; zeros before any input."""
+    def blocks(self) -> torch.Tensor:
+        """The mean x xᵀ on the diagonal blocks [K / b, b, b] fp32; zeros before any input."""
         return (self.sum / max(self.n, 1)).to(torch.float32)
+
+    @property
+    def value(self) -> torch.Tensor:
+        """Each column's mean x² [K] fp32; zeros before any input."""
+        return torch.diagonal(self.blocks, dim1=1, dim2=2).reshape(-1).contiguous()
 
     def column_mean_square(self) -> tuple[torch.Tensor, int]:
         """(:attr:`value`, the rows it is over)."""
@@ -43,21 +56,27 @@ class ColumnMeanSquare:
 
 
 @dataclass(frozen=True)
-class WeightedRtnMethod:
-    """Round-to-nearest on activation-weighted grids (it has no settings); ``storage``: how the
-    format stores the grids."""
+class WeightedRounding:
+    """Rounding on activation-weighted grids (it has no settings)."""
 
     settings: None = None
-    storage: Storage = BF16
 
-    def accumulator(self, in_features: int, device: str = "cpu") -> ColumnMeanSquare:
-        return ColumnMeanSquare(in_features, device)
+    def accumulator(self, in_features: int, device: str = "cpu") -> BlockSecondMoment:
+        return BlockSecondMoment(in_features, device)
 
     def calibration_record(self) -> dict:
         return {}
 
-    def quantize(self, weight: torch.Tensor, stats: ColumnMeanSquare,
-                 scheme: ModuleScheme) -> tuple[GroupQuantized | ChannelQuantized, dict]:
-        """4-bit: grids by the weighted search; 8-bit: the covering per-channel grid (unweighted)."""
-        q, err = quantize_rtn(weight, scheme, storage=self.storage, column_weights=stats.value)
-        return q, {**err.as_dict(), "method": "weighted" if scheme.bits == 4 else UNCALIBRATED}
+    def quantize(self, weight: torch.Tensor, stats: BlockSecondMoment, scheme: ModuleScheme,
+                 storage: Storage = BF16) -> tuple[GroupQuantized | ChannelQuantized, dict]:
+        """Groups: grids by the weighted search, codes refined on the blocks; 8-bit: the covering
+        per-channel grid (unweighted, nearest codes)."""
+        if not scheme.grouped:
+            q, err = quantize_rtn(weight, scheme, storage=storage)
+            return q, {**err.as_dict(), "method": UNCALIBRATED}
+        nearest, _ = quantize_rtn(weight, scheme, storage=storage, column_weights=stats.value)
+        q = refine_codes(weight, nearest, stats.blocks)
+        err = ErrorStats()
+        for rows in range(0, weight.shape[0], ROW_CHUNK):
+            err.add(weight[rows:rows + ROW_CHUNK], q.rows(slice(rows, rows + ROW_CHUNK)).dequantize())
+        return q, {**err.as_dict(), "method": "weighted"}

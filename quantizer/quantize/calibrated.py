@@ -25,7 +25,7 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     pass None for it and the tokenizer) and returns the report; the other ranks return None.
     ``keep_importance``: as for :func:`~quantizer.quantize.layerwise.run_layerwise`."""
     info = get_method(plan.options.method)
-    method = info.make(method_settings, plan.storage)
+    method = info.make(method_settings)
     s = windows_settings.resolved(info.default_nsamples)
     q = dataclasses.replace(plan.qconfig, calibration={
         "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed, "precision": s.precision,

@@ -15,7 +15,7 @@ from .report import QuantizeReport
 from .single_file import check_file_name
 
 if TYPE_CHECKING:
-    from ..formats.gguf.imatrix import ImatrixNames
+    from ..formats.gguf.names import GgufNames
 
 
 @dataclass
@@ -24,7 +24,7 @@ class ImatrixOutput:
     (column mean squares [K] fp32, input rows)."""
 
     path: Path
-    names: ImatrixNames
+    names: GgufNames
     statistics: dict = field(default_factory=dict)
 
     def keep(self, statistics: dict) -> None:
@@ -35,7 +35,8 @@ def prepare_imatrix(path: Path, plan: QuantizationPlan, calibrated: bool, out: P
                     inputs: list[Path]) -> ImatrixOutput:
     """Check the target (UsageError or InputError in one line) and map the modules whose inputs
     the run will measure to the names llama.cpp's converter gives their weights."""
-    from ..formats.gguf.imatrix import imatrix_names, is_int4q_imatrix
+    from ..formats.gguf.imatrix import is_int4q_imatrix
+    from ..formats.gguf.names import gguf_names
 
     if not calibrated:
         raise UsageError("--imatrix-out needs a calibrated method (--method weighted or gptq): minmax measures "
@@ -44,7 +45,7 @@ def prepare_imatrix(path: Path, plan: QuantizationPlan, calibrated: bool, out: P
     if Path(path).absolute() == Path(out).absolute():
         raise UsageError("--imatrix-out and --out name the same file; choose another name for one of them")
     target = check_output_file(path, overwrite, inputs, is_int4q_imatrix)
-    return ImatrixOutput(target, imatrix_names(plan.model_dir, plan.source_config, _measured_shapes(plan)))
+    return ImatrixOutput(target, gguf_names(plan.model_dir, plan.source_config, _measured_shapes(plan)))
 
 
 def _measured_shapes(plan: QuantizationPlan) -> dict[str, tuple[int, ...]]:

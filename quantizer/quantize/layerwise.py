@@ -185,7 +185,7 @@ def _solve(plan, method, module: str, weight: torch.Tensor, stats, scheme: Modul
     damping repairs becomes one line naming the module and the knobs that help."""
     refuse_non_finite(plan, module, weight)
     try:
-        return method.quantize(weight, stats, scheme)
+        return method.quantize(weight, stats, scheme, plan.storage_of(module))
     except NotPositiveDefinite as e:
         raise InputError(f"GPTQ cannot solve {module}: its Hessian is not positive definite even at damp "
                          f"{e.damp:.3g}; raise --damp, or give more calibration text (--nsamples, --calib)") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..formats import RUNTIME_FORMAT, CheckpointFormat, get_format
+from ..formats import RUNTIME_FORMAT, CheckpointFormat, SourceModel, get_format
 from ..io.checkpoint import CheckpointReader, TensorInfo, read_config
 from ..io.shards import TensorSpec
 from ..io.structure import (
@@ -26,8 +26,9 @@ from ..io.structure import (
 )
 from ..methods.grid import Storage
 from ..spec.config import QuantizationConfig, matches_ignore
-from ..spec.methods import UNCALIBRATED, get_method
-from ..spec.scheme import KEPT_BITS, ModuleScheme
+from ..spec.methods import UNCALIBRATED
+from ..spec.scheme import ModuleScheme
+from .precision import implied_options, separate_head_ok
 from .recipes import Override, assign_schemes, recipe_bits
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,9 @@ class QuantizationPlan:
     def format(self) -> CheckpointFormat:
         return self.options.output_format
 
-    @property
-    def storage(self) -> Storage:
-        """How the format stores this run's grids."""
-        return self.format.grid_storage(self.options.symmetric)
+    def storage_of(self, module: str) -> Storage:
+        """How the format stores the grids of ``module``."""
+        return self.format.grid_storage(self.scheme_of(module), self.weight_shape(module)[1])
 
     def scheme_of(self, module: str) -> ModuleScheme:
         return self.qconfig.scheme_for(module)
@@ -161,7 +161,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     _check_overrides_match(options.overrides, structure)
     fmt = options.output_format
     options = _format_group(options, fmt)
-    options, notes = _implied_options(options, structure, _separate_head_ok(fmt, model_dir, config))
+    options, notes = implied_options(options, structure, separate_head_ok(fmt, model_dir, config))
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
     base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
@@ -171,7 +171,9 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
                                                options.overrides, options.strict_group_size)
     if fmt.one_group_size:
         _check_one_group(schemes, group, k_dims, fmt)
-    format_notes = fmt.fit_schemes(schemes, k_dims)
+    layer_shapes = {m: tuple(infos[s].shape) for m, s in targets.items()
+                    if m not in (structure.embedding, structure.head)}
+    format_notes = fmt.fit_schemes(schemes, k_dims, SourceModel(model_dir, config, layer_shapes))
     fallbacks.update(format_notes)
     notes += _grouped_notes(format_notes)
     left_out = structure.left_out_note()
@@ -260,84 +262,6 @@ def _format_group(options: QuantizeOptions, fmt: CheckpointFormat) -> QuantizeOp
     if options.group_size is None and len(fmt.group_sizes) == 1:
         return dataclasses.replace(options, group_size=fmt.group_sizes[0])
     return options
-
-
-def _separate_head_ok(fmt: CheckpointFormat, model_dir: Path, config: dict) -> bool:
-    """Whether the output can hold a head apart from a tied table (a GGUF only where llama.cpp's
-    converter writes one for the architecture; its other checks run here too, before any work)."""
-    if not fmt.single_file:
-        return True
-    from ..formats.gguf.converter import preflight
-
-    return preflight(model_dir, config)
-
-
-def _implied_options(options: QuantizeOptions, structure: ModelStructure,
-                     separate_head_ok: bool = True) -> tuple[QuantizeOptions, list[str]]:
-    """The options with every precision decided (the table's and the head's bits, kept modules
-    added to ``ignore``) and what the format and the method require; a note for each change the
-    user did not ask for. Without ``separate_head_ok`` a tied head stays tied."""
-    notes = []
-    emb, head = structure.embedding, structure.head
-    kept = tuple(o.pattern for o in options.overrides if o.bits == KEPT_BITS)
-    options = dataclasses.replace(options, ignore=options.ignore + kept)
-    fmt = options.output_format
-    if options.symmetric is None:
-        options = dataclasses.replace(options, symmetric=fmt.default_symmetric)
-        if fmt.default_symmetric:
-            notes.append(f"the {fmt.name} export uses a symmetric grid, the one every GPTQ loader accepts "
-                         "(GPTQModel refuses asymmetric v1 checkpoints it did not write); --asym for transformers "
-                         "(vLLM 0.32 refuses sym=False: --format awq is the asymmetric grid vLLM runs)")
-    table = _table_bits(options, emb)
-    if table != KEPT_BITS and emb and not fmt.quantizes_embedding:
-        if options.embedding_bits is not None:
-            raise InputError(f"the {fmt.name} format has no quantized vocabulary table; drop --embedding-bits")
-        table = KEPT_BITS
-        notes.append(f"the {fmt.name} format has no quantized vocabulary table: {emb} stays in bf16")
-    source_tied = structure.tied and emb is not None and head is not None
-    if source_tied and not separate_head_ok:
-        if options.untie_head or options.head_bits not in (None, table):
-            raise InputError(f"{fmt.title} files of this architecture read the head from the table, so {head} "
-                             "cannot be untied: drop --untie-head and --head-bits")
-        if get_method(options.method).unties_head:
-            notes.append(f"{fmt.title} files of this architecture read the head from the table: {head} stays tied "
-                         f"to it, and {options.method} quantizes the table without calibration")
-        options = dataclasses.replace(options, head_bits=table, embedding_bits=table, keep_embedding=table == KEPT_BITS)
-        return options, notes
-    own_head = not source_tied or options.untie_head or get_method(options.method).unties_head
-    head_bits = options.head_bits or (recipe_bits(options.recipe, head or "", True, 0) if own_head else table)
-    if fmt.head_kept_by_default and options.head_bits is None and not options.untie_head and head \
-            and head_bits != KEPT_BITS:
-        head_bits = KEPT_BITS
-        notes.append(f"the {fmt.name} export keeps {head} in bf16, which transformers' GPTQ loader needs; "
-                     "--head-bits 4 quantizes it for vLLM and GPTQModel")
-    if head and matches_ignore(head, options.ignore):
-        head_bits = KEPT_BITS
-    options = dataclasses.replace(options, embedding_bits=table, head_bits=head_bits,
-                                  keep_embedding=table == KEPT_BITS)
-    if not source_tied:
-        if head and head_bits == KEPT_BITS and not matches_ignore(head, options.ignore):
-            options = dataclasses.replace(options, ignore=options.ignore + (head,))
-        return options, notes
-    if head_bits == KEPT_BITS and table != KEPT_BITS:
-        raise InputError(f"{head} shares the table in this model, so it can stay in bf16 only with the table: "
-                         "add --embedding-bits 16, or give the head 4 or 8 bits")
-    calibrated_head = head_bits == 4 and get_method(options.method).unties_head  # an 8-bit head is not solved
-    untie = options.untie_head or head_bits != table or calibrated_head
-    if untie and not options.untie_head:
-        why = (f"{options.method} quantizes the head on its own inputs" if calibrated_head
-               else f"{head} has {head_bits} bits and the table {table}")
-        notes.append(f"{why}: {head} is written untied (tie_word_embeddings false)")
-    return dataclasses.replace(options, untie_head=untie), notes
-
-
-def _table_bits(options: QuantizeOptions, emb: str | None) -> int:
-    if options.keep_embedding or (emb and matches_ignore(emb, options.ignore)):
-        if options.embedding_bits not in (None, KEPT_BITS):
-            raise InputError(f"--keep-embedding (or --ignore of the table) contradicts --embedding-bits "
-                             f"{options.embedding_bits}")
-        return KEPT_BITS
-    return options.embedding_bits or recipe_bits(options.recipe, emb or "", True, 0)
 
 
 def _choose_targets(structure: ModelStructure, infos: dict[str, TensorInfo],

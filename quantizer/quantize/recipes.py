@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from ..spec.config import matches_ignore
-from ..spec.scheme import BITS, GROUP_SIZES, KEPT_BITS, ModuleScheme
+from ..spec.scheme import BITS, GROUP_SIZES, GROUPS_OF, KEPT_BITS, ModuleScheme, more_bits_layer
 
 MORE_BITS_SUFFIXES = ("v_proj", "down_proj")  # llama.cpp's attn_v and ffn_down
 RECIPES = {
@@ -35,14 +35,9 @@ class Override:
             raise InputError(f"--override {text!r}: expected PATTERN=BITS or PATTERN=4:GROUP, e.g. down_proj=8")
         bits, group = int(m.group(2)), int(m.group(3)) if m.group(3) else None
         if bits not in BITS or (group is not None and (bits != 4 or group not in GROUP_SIZES)):
-            raise InputError(f"--override {text!r}: bits must be one of {', '.join(map(str, BITS))}, and a group "
-                             f"(4 bits only) one of {', '.join(map(str, GROUP_SIZES))}")
+            raise InputError(f"--override {text!r}: bits must be one of {', '.join(map(str, BITS))} (5 and 6: GGUF "
+                             f"only), and a group (4 bits only) one of {', '.join(map(str, GROUP_SIZES))}")
         return cls(m.group(1), bits, group)
-
-
-def more_bits_layer(i: int, n: int) -> bool:
-    """The layers llama.cpp's Q4_K_M gives more bits: first and last eighth, every third between."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def recipe_bits(recipe: str, module: str, table_or_head: bool, n_layers: int) -> int:
@@ -75,6 +70,11 @@ def module_scheme(module: str, k: int, bits: int, group: int, symmetric: bool,
         return ModuleScheme(KEPT_BITS), None
     if bits == 8:
         return ModuleScheme(8, None, True), None
+    if bits != 4:  # GGUF's 5 and 6 bits: their type's one group size
+        own = GROUPS_OF[bits][0]
+        if k % own:
+            return ModuleScheme(8, None, True), f"{module}: K={k} is not a multiple of {own}, so it is 8-bit"
+        return ModuleScheme(bits, own, symmetric or bits == 6), None
     if k % group == 0:
         return ModuleScheme(4, group, symmetric), None
     fallback = fallback_group(k, group)

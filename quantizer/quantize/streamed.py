@@ -35,8 +35,8 @@ def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -
     format and its report entry."""
     weight = plan.linear_weight(module, weight)
     refuse_non_finite(plan, module, weight)
-    method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search), plan.storage)
-    q, stats = method.quantize(weight, None, plan.scheme_of(module))
+    method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search))
+    q, stats = method.quantize(weight, None, plan.scheme_of(module), plan.storage_of(module))
     tensors = plan.format.tensors(module, q, plan.scheme_of(module))
     return tensors, module_entry(plan.targets[module], weight.shape, tensors, stats)
 

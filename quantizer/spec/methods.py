@@ -3,11 +3,12 @@ promises (calibration, the head, the codes verify may check). A method is one mo
 ``quantizer.methods`` plus one entry in :data:`METHODS`, like a format in ``formats/``. Importing
 this module does not import torch, so the CLI lists the methods cheaply.
 
-A method's module exposes a class taking ``(settings, storage)`` whose objects have:
+A method's module exposes a class taking ``(settings)`` whose objects have:
 
 - ``calibration_record()``: what the run's ``quantization_config.calibration`` record adds for it;
-- ``quantize(weight, stats, scheme) -> (quantized, report entry)``: one weight [N, K] on the
-  module's scheme, given its input statistic (None for an uncalibrated method);
+- ``quantize(weight, stats, scheme, storage) -> (quantized, report entry)``: one weight [N, K] on
+  the module's scheme, its grids as the format stores them (a ``methods.grid.Storage``), given its
+  input statistic (None for an uncalibrated method);
 - for a calibrated method, ``accumulator(in_features, device)``: a fresh statistic of a linear's
   input, fed by the layer-wise driver (``quantizer.quantize.layerwise``).
 """
@@ -33,11 +34,10 @@ class MethodInfo:
     searches_grids: bool = False  # its grids come from the weighted search, which may clip a group
     grid_search_setting: str | None = None  # ...or do when this calibration setting is true
 
-    def make(self, settings=None, storage=None):
-        """The method object, with its own ``settings`` (None: its defaults) and the format's grid
-        ``storage`` (a ``methods.grid.Storage``; None: cpu_int4's)."""
+    def make(self, settings=None):
+        """The method object, with its own ``settings`` (None: its defaults)."""
         module = importlib.import_module(f"quantizer.methods.{self.module}")
-        return getattr(module, self.cls)(settings, storage or importlib.import_module("quantizer.methods.grid").BF16)
+        return getattr(module, self.cls)(settings)
 
     def searched_grids(self, calibration: dict) -> bool:
         """Whether a run with this ``quantization_config.calibration`` chose grids by the search."""
@@ -48,8 +48,9 @@ METHODS = {m.name: m for m in (
     MethodInfo("minmax", "round-to-nearest on the min/max grid", "rtn", "RoundToNearest", nearest_codes=True),
     MethodInfo("gptq", "GPTQ", "gptq_method", "GptqMethod", calibrated=True, default_nsamples=128, unties_head=True,
                grid_search_setting="weighted_grids"),
-    MethodInfo("weighted", "round-to-nearest on activation-weighted grids", "weighted", "WeightedRtnMethod",
-               calibrated=True, default_nsamples=16, nearest_codes=True, searches_grids=True),
+    MethodInfo("weighted", "activation-weighted rounding (grids searched on the inputs' mean squares, codes "
+               "refined on their correlations)", "weighted", "WeightedRounding", calibrated=True, default_nsamples=16,
+               searches_grids=True),
 )}
 NAMES = tuple(METHODS)
 UNCALIBRATED = "minmax"  # the default method, and the one a calibrated run uses for what sees no activations

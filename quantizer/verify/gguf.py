@@ -15,7 +15,7 @@ from ..spec.methods import get_method
 from .structure import CheckResult
 from .tensors import TensorStats
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 OWN_KEYS = ("general.file_type", "general.quantized_by", "int4q.quantization_config")
 
 
@@ -81,19 +81,19 @@ def check_structure(reader, expected: dict, expected_kv: dict, source_tied: bool
 
 def _nearest_excess(stored, source: torch.Tensor, kind) -> float:
     """Largest |error| beyond the block grid's nearest point, over a tensor."""
-    from ..methods.grid import MID
+    from ..methods.codes import code_range
 
     n, k = source.shape
-    w = source.reshape(n, -1, 32)
+    w = source.reshape(n, -1, stored.group)
     d = stored.d.unsqueeze(-1)
     safe = torch.where(d == 0, 1.0, d)
     if kind.bits == 8:
         best = torch.round(w / safe).clamp(-127, 127) * d
-    elif stored.m is not None:
-        best = torch.round((w - stored.m.unsqueeze(-1)) / safe).clamp(0, 15) * d + stored.m.unsqueeze(-1)
     else:
-        best = (torch.round(w / safe + MID).clamp(0, 15) - MID) * d
-    have = stored.values().reshape(n, -1, 32)
+        top = code_range(kind.bits)[1]
+        offset = stored.m.unsqueeze(-1) if stored.m is not None else -stored.mid * d
+        best = torch.round((w - offset) / safe).clamp(0, top) * d + offset
+    have = stored.values().reshape(n, -1, stored.group)
     return ((w - have).abs() - (w - best).abs()).max().item()
 
 

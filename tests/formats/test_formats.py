@@ -25,8 +25,8 @@ def test_specs_are_the_written_tensors_and_pass_the_check(name, n8, groups, grou
     group = group if group in fmt.group_sizes else fmt.group_sizes[0]
     n, k = 8 * n8, groups * group
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    gq = quantize_groupwise(w, group, symmetric=symmetric, storage=fmt.grid_storage(symmetric))
     scheme = ModuleScheme(4, group, symmetric)
+    gq = quantize_groupwise(w, group, symmetric=symmetric, storage=fmt.grid_storage(scheme, k))
     tensors = fmt.tensors("m", gq, scheme)
     assert [(s.name, s.dtype, s.shape) for s in fmt.tensor_specs("m", (n, k), scheme)] == \
            [(n_, t.dtype, tuple(t.shape)) for n_, t in tensors.items()]
@@ -38,7 +38,7 @@ def test_specs_are_the_written_tensors_and_pass_the_check(name, n8, groups, grou
 def test_the_check_names_a_missing_or_misshaped_tensor(name):
     fmt = get_format(name)
     scheme = ModuleScheme(4, 32, False)
-    tensors = fmt.tensors("m", quantize_groupwise(torch.randn(16, 64), 32, storage=fmt.grid_storage(False)), scheme)
+    tensors = fmt.tensors("m", quantize_groupwise(torch.randn(16, 64), 32, storage=fmt.grid_storage(scheme, 64)), scheme)
     first, last = list(tensors)[0], list(tensors)[-1]
     assert fmt.module_problems("m", infos_of({k: v for k, v in tensors.items() if k != last}), scheme) == \
            [f"{last}: missing"]

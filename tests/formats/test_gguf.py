@@ -45,6 +45,15 @@ def quantize(source, out, *extra):
     return out
 
 
+def assert_llama_cpp_generates(path):
+    """llama.cpp's own llama-completion loads the file and continues a prompt."""
+    done = subprocess.run([LLAMA_COMPLETION, "-m", str(path), "-p", "The capital of France is", "-n", "8",
+                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+
+
 def assert_verify_passes(path, source):
     result = run("verify", path, "--model", source, "--ctx", "64", "--max-windows", "2", "--greedy-tokens", "4")
     assert result.exit_code == 0 and result.stdout.strip().endswith("PASS"), result.output
@@ -140,11 +149,7 @@ def test_an_output_name_without_gguf_and_a_missing_converter_are_one_line(source
                     "bash scripts/setup_gguf.sh --build")
 def test_llama_cpp_loads_and_runs_the_file(source, tmp_path):
     out = quantize(source, tmp_path / "m.gguf", "--method", "gptq", "--nsamples", "2", "--seqlen", "64")
-    done = subprocess.run([LLAMA_COMPLETION, "-m", str(out), "-p", "The capital of France is", "-n", "8",
-                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+    assert_llama_cpp_generates(out)
 
 
 def test_a_gpt2_files_conv1d_projections_are_int4qs_blocks_and_pass_verify(smollm2_bf16, tmp_path):
@@ -220,16 +225,17 @@ def wide_source(smollm2_bf16, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["minmax", "weighted", "gptq"])
-def test_q4_k_holds_every_row_of_whole_super_blocks_and_q4_1_the_rest(wide_source, tmp_path, method):
+def test_q4_k_holds_every_row_of_whole_super_blocks_and_q5_0_the_rest_as_llama_quantize(wide_source, tmp_path,
+                                                                                         method):
     result = run("quantize", "--model", wide_source, "--out", tmp_path / "k.gguf", "--format", "gguf",
                  "--gguf-type", "q4_k", "--method", method, "--nsamples", "2", "--seqlen", "64", "--no-progress")
     assert result.exit_code == 0, result.output
     types = tensor_types(tmp_path / "k.gguf")
     assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "Q4_K"
-    assert types["blk.0.ffn_down.weight"] == "Q4_1"
+    assert types["blk.0.ffn_down.weight"] == "Q5_0"
     assert gguf.GGUFReader(tmp_path / "k.gguf").fields["general.file_type"].contents() == \
         gguf.LlamaFileType.MOSTLY_Q4_K_S
-    assert "not a multiple of Q4_K's 256-weight super-blocks: Q4_1" in result.stderr
+    assert "K=288 is not a multiple of the 256-weight super-blocks: Q5_0 for Q4_K" in result.stderr
     assert_verify_passes(tmp_path / "k.gguf", wide_source)
 
 
@@ -245,8 +251,4 @@ def test_q4_k_is_an_asymmetric_grid(wide_source, tmp_path):
 def test_llama_cpp_runs_a_q4_k_file(wide_source, tmp_path):
     out = quantize(wide_source, tmp_path / "k.gguf", "--gguf-type", "q4_k", "--method", "weighted",
                    "--nsamples", "2", "--seqlen", "64")
-    done = subprocess.run([LLAMA_COMPLETION, "-m", str(out), "-p", "The capital of France is", "-n", "8",
-                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+    assert_llama_cpp_generates(out)

@@ -18,13 +18,14 @@ def weights(rows, blocks, seed, scale_exp):
     return (torch.randn(rows, 32 * blocks, generator=gen) * 2.0 ** scale_exp).to(torch.bfloat16)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 9), blocks=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
-       scale_exp=st.integers(-12, 4), symmetric=st.booleans())
-def test_4_bit_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, blocks, seed, scale_exp, symmetric):
+       scale_exp=st.integers(-12, 4), kind=st.sampled_from([B.Q4_0, B.Q4_1, B.Q5_0, B.Q5_1]), weighted=st.booleans())
+def test_32_weight_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, blocks, seed, scale_exp, kind, weighted):
     w = weights(rows, blocks, seed, scale_exp)
-    kind = B.Q4_0 if symmetric else B.Q4_1
-    gq = quantize_groupwise(w, 32, symmetric=symmetric, storage=B.Q4_0_STORAGE if symmetric else B.Q4_1_STORAGE)
+    column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
+    gq = quantize_groupwise(w, 32, symmetric=kind.symmetric, storage=kind.storage, column_weights=column_weights)
+    assert gq.bits == kind.bits and int(gq.codes.max()) < 2**kind.bits
     data = B.encode(gq, kind)
     assert data.shape == (rows, blocks * kind.nbytes)
     theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
@@ -57,30 +58,35 @@ def test_a_grid_the_block_type_cannot_hold_is_refused():
         B.encode(quantize_groupwise(w, 64, symmetric=True, storage=B.Q4_0_STORAGE), B.Q4_0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), supers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
-       scale_exp=st.integers(-14, 4), weighted=st.booleans())
-def test_q4_k_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, supers, seed, scale_exp, weighted):
+       scale_exp=st.integers(-14, 4), weighted=st.booleans(), kind=st.sampled_from([B.Q4_K, B.Q5_K, B.Q6_K]))
+def test_k_quant_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, supers, seed, scale_exp, weighted, kind):
     w = weights(rows, 8 * supers, seed, scale_exp)
     column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
-    gq = quantize_groupwise(w, 32, storage=B.Q4_K_STORAGE, column_weights=column_weights)
-    data = B.encode(gq, B.Q4_K)
-    assert data.shape == (rows, supers * 144)
-    theirs = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q4_K)
-    decoded = B.decode(data, B.Q4_K)
+    group = 16 if kind is B.Q6_K else 32
+    gq = quantize_groupwise(w, group, symmetric=kind.symmetric, storage=kind.storage, column_weights=column_weights)
+    data = B.encode(gq, kind)
+    assert data.shape == (rows, supers * kind.nbytes)
+    theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
+    decoded = B.decode(data, kind)
     assert np.array_equal(theirs, decoded.values().numpy())
     assert torch.equal(decoded.codes, gq.codes)
     torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
 
 
-def test_gptq_on_q4_k_storage_fixes_super_block_grids_that_encode_in_any_column_order():
+@pytest.mark.parametrize("kind", [B.Q4_K, B.Q5_K, B.Q6_K, B.Q5_0])
+def test_gptq_on_a_block_storage_fixes_grids_that_encode_in_any_column_order(kind):
     from quantizer.methods.gptq import gptq_quantize
 
     gen = torch.Generator().manual_seed(3)
     w, x = weights(8, 16, 3, -4), torch.randn(256, 512, generator=gen)
+    group = 16 if kind is B.Q6_K else 32
     for act_order in (True, False):
-        gq, _ = gptq_quantize(w, x.T @ x / 256, 32, act_order=act_order, storage=B.Q4_K_STORAGE)
-        assert torch.equal(B.decode(B.encode(gq, B.Q4_K), B.Q4_K).codes, gq.codes)
+        gq, _ = gptq_quantize(w, x.T @ x / 256, group, symmetric=kind.symmetric, act_order=act_order,
+                              storage=kind.storage)
+        assert gq.bits == kind.bits
+        assert torch.equal(B.decode(B.encode(gq, kind), kind).codes, gq.codes)
 
 
 def test_a_row_that_super_blocks_do_not_fill_is_rounded_as_q4_1():
@@ -88,11 +94,20 @@ def test_a_row_that_super_blocks_do_not_fill_is_rounded_as_q4_1():
     a, b = (quantize_groupwise(w, 32, storage=s) for s in (B.Q4_K_STORAGE, B.Q4_1_STORAGE))
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
     assert B.block_type(4, False, 96, kquants=True) is B.Q4_1 and B.block_type(4, False, 256, kquants=True) is B.Q4_K
+    assert B.block_type(5, False, 96, kquants=True) is B.Q5_1 and B.block_type(5, False, 256, kquants=True) is B.Q5_K
+    assert B.block_type(5, True, 256, kquants=True) is B.Q5_0 and B.block_type(6, True, 256) is B.Q6_K
 
 
-def test_q4_k_refuses_grids_it_cannot_hold():
+def test_k_quants_refuse_grids_they_cannot_hold():
+    with pytest.raises(ValueError, match="not levels of an fp16 unit"):
+        B.encode(quantize_groupwise(weights(2, 8, 5, 0), 16, symmetric=True,
+                                    storage=B.Storage(torch.float16, signed_scale=True, bits=6)), B.Q6_K)
+    with pytest.raises(ValueError, match="6-bit codes, not 4-bit"):
+        B.encode(quantize_groupwise(weights(2, 8, 5, 0), 16, symmetric=True), B.Q6_K)
+    with pytest.raises(ValueError, match="5-bit codes, not 4-bit"):
+        B.encode(quantize_groupwise(weights(2, 8, 5, 0), 32, symmetric=True, storage=B.Q4_0_STORAGE), B.Q5_0)
     w = weights(2, 8, 5, 0)
-    with pytest.raises(ValueError, match="6-bit multiples"):
+    with pytest.raises(ValueError, match="not levels of an fp16 unit"):
         B.encode(quantize_groupwise(w, 32, storage=B.Q4_1_STORAGE), B.Q4_K)
     with pytest.raises(ValueError, match="whole 256-weight super-blocks"):
         B.encode(quantize_groupwise(weights(2, 3, 5, 0), 32, storage=B.Q4_K_STORAGE), B.Q4_K)

@@ -25,9 +25,10 @@ def block(b, n, seed, flat_column):
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 140), n=st.integers(1, 300), cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
-       flat_column=st.one_of(st.none(), st.integers(0, 200)), seed=st.integers(0, 2**16))
-def test_the_native_kernel_gives_the_torch_loops_bits(b, n, cut, flat_column, seed):
-    native = gptq_columns._find_native()
+       flat_column=st.one_of(st.none(), st.integers(0, 200)), seed=st.integers(0, 2**16),
+       bits=st.sampled_from([4, 5, 6]))
+def test_the_native_kernel_gives_the_torch_loops_bits(b, n, cut, flat_column, seed, bits):
+    native = gptq_columns.KERNEL.native()
     if native is None:
         pytest.skip("no native library here")
     first, last = sorted(int(c * b) for c in cut)
@@ -35,19 +36,21 @@ def test_the_native_kernel_gives_the_torch_loops_bits(b, n, cut, flat_column, se
     results = []
     for kernel in (native, torch_columns):
         W1, codes, err = W.clone(), torch.full((b, n), -1.0), torch.full((b, n), -1.0)
-        kernel(W1, U1, grids.block(0, b), codes, err, first, last)
+        kernel(W1, U1, grids.block(0, b), codes, err, first, last, bits)
         results.append((W1, codes, err))
     for a, t in zip(*results):
         assert torch.equal(a, t)
     codes = results[0][1][first:last]
-    assert torch.equal(codes, codes.round()) and bool(((codes >= 0) & (codes <= 15)).all())
+    assert torch.equal(codes, codes.round()) and bool(((codes >= 0) & (codes <= 2**bits - 1)).all())
 
 
-def test_a_kernel_that_computes_wrongly_is_not_used(caplog):
-    def wrong(W1, U1, grids, codes, err, first, last):
-        torch_columns(W1, U1, grids, codes, err, first, last)
-        codes[first] = 15 - codes[first]
+@pytest.mark.parametrize("broken_bits", [4, 6])
+def test_a_kernel_that_computes_wrongly_is_not_used(caplog, broken_bits):
+    def wrong(W1, U1, grids, codes, err, first, last, bits=4):
+        torch_columns(W1, U1, grids, codes, err, first, last, bits)
+        if bits == broken_bits:
+            codes[first] = 15 - codes[first]
 
     with caplog.at_level(logging.WARNING):
-        assert gptq_columns._checked(wrong) is None
-    assert "column kernel gives other results" in caplog.text
+        assert gptq_columns.KERNEL.checked(wrong) is None
+    assert "GPTQ column loop gives other results" in caplog.text

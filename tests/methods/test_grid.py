@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantizer.methods.error_stats import ErrorStats
-from quantizer.methods.grid import BF16, INTEGER_ZERO, MID, Storage, quantize_groupwise, round_to_grid
+from quantizer.methods.grid import BF16, INTEGER_ZERO, Storage, quantize_groupwise, round_to_grid
 
 SIGNED = Storage(torch.float16, "integer", signed_scale=True)
 
@@ -169,50 +169,76 @@ def test_8_bit_channels_round_to_nearest_on_a_covering_grid():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-12, 3), positive=st.booleans())
-def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_point_at_most_0(seed, scale_exp, positive):
+@given(seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-12, 3), positive=st.booleans(), bits=st.sampled_from([4, 5]))
+def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_point_at_most_0(seed, scale_exp, positive,
+                                                                                             bits):
     from quantizer.methods.superblock import superblock_grids
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(3, 256, generator=gen) * 2.0**scale_exp
     w = w.abs() if positive else w
-    storage = Storage(torch.float16, "min", superblock=8)
-    free = quantize_groupwise(w, 32, storage=Storage(torch.float32))
-    plain = superblock_grids(free.scale, free.zero, 8)
-    scale, zero = superblock_grids(free.scale, free.zero, 8, w.reshape(3, 8, 32))
-    for block in torch.cat([scale, MID * scale - zero, plain[0], MID * plain[0] - plain[1]]).reshape(-1, 8):
+    storage = Storage(torch.float16, "min", superblock=8, bits=bits)
+    mid = 2 ** (bits - 1)
+    free = quantize_groupwise(w, 32, storage=Storage(torch.float32, bits=bits))
+    plain = superblock_grids(free.scale, free.zero, storage, False)
+    scale, zero = superblock_grids(free.scale, free.zero, storage, False, w.reshape(3, 8, 32))
+    for block in torch.cat([scale, mid * scale - zero, plain[0], mid * plain[0] - plain[1]]).reshape(-1, 8):
         assert bool((block >= 0).all())
         units = [(block.max() / top).to(torch.float16).to(torch.float64) for top in range(63, 0, -1)]
         assert block.max() == 0 or any(bool((block / u == (block / u).round()).all()) and (block / u).max() <= 63
                                        for u in units if u > 0)
     got = quantize_groupwise(w, 32, storage=storage)
-    assert torch.equal(got.scale, scale) and torch.equal(got.zero, zero)
+    assert torch.equal(got.scale, scale) and torch.equal(got.zero, zero) and got.bits == bits
     rel = (got.dequantize() - w).pow(2).sum() / w.pow(2).sum()
-    assert rel < 0.02
+    assert rel < 0.02 / 4 ** (bits - 4)
     g = w.reshape(3, 8, 32)
     from quantizer.methods.codes import group_sq_error
 
     def error(s, z):
-        return group_sq_error(g, round_to_grid(g, s, z), s, z)
+        return group_sq_error(g, round_to_grid(g, s, z, bits), s, z, bits=bits)
 
     assert bool((error(scale, zero) <= error(*plain)).all())  # the level search keeps the plain rounding's pair
 
 
-@pytest.mark.parametrize("storage", [BF16, INTEGER_ZERO, Storage(torch.float16, "min", superblock=8)])
-@pytest.mark.parametrize("sym", [False, True])
-def test_row_chunks_give_the_same_grids_as_one_pass(monkeypatch, storage, sym):
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-12, 3), weighted=st.booleans())
+def test_signed_super_block_grids_are_8_bit_levels_of_one_fp16_unit(seed, scale_exp, weighted):
+    from quantizer.methods.superblock import superblock_grids
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(3, 512, generator=gen) * 2.0**scale_exp
+    column_weights = torch.rand(512, generator=gen) if weighted else None
+    storage = Storage(torch.float16, signed_scale=True, superblock=16, bits=6)
+    got = quantize_groupwise(w, 16, symmetric=True, storage=storage, column_weights=column_weights)
+    assert got.bits == 6 and bool((got.zero == 0).all()) and int(got.codes.max()) <= 63
+    for block in got.scale.reshape(-1, 16):
+        top = block[block.abs().argmax()]
+        units = [(top / level).to(torch.float16).to(torch.float64) for level in range(-128, 128) if level]
+        assert any(bool((block / u == (block / u).round()).all()) and -128 <= (block / u).min()
+                   and (block / u).max() <= 127 for u in units if u != 0)
+    free = quantize_groupwise(w, 16, symmetric=True, storage=Storage(torch.float32, signed_scale=True, bits=6))
+    plain = superblock_grids(free.scale, free.zero, storage, True)
+    assert bool((plain[0].reshape(-1, 16).abs().amax(-1) > 0).all())
+    rel = (got.dequantize() - w).pow(2).sum() / w.pow(2).sum()
+    assert rel < 2e-3
+
+
+@pytest.mark.parametrize("storage, sym, group", [
+    (BF16, False, 32), (BF16, True, 32), (INTEGER_ZERO, False, 32), (INTEGER_ZERO, True, 32),
+    (Storage(torch.float16, "min", superblock=8), False, 32),
+    (Storage(torch.float16, "min", superblock=8, bits=5), False, 32),
+    (Storage(torch.float16, signed_scale=True, superblock=16, bits=6), True, 16)])
+def test_row_chunks_give_the_same_grids_as_one_pass(monkeypatch, storage, sym, group):
     import quantizer.methods.grid as grid
 
-    if sym and storage.superblock:
-        pytest.skip("super-blocks hold asymmetric grids only")
     g = torch.Generator().manual_seed(3)
     w = torch.randn(37, 512, generator=g) * 0.02
     weights = torch.rand(512, generator=g)
-    whole = [quantize_groupwise(w, 32, sym, clip_search=True, storage=storage),
-             quantize_groupwise(w, 32, sym, storage=storage, column_weights=weights)]
+    whole = [quantize_groupwise(w, group, sym, clip_search=True, storage=storage),
+             quantize_groupwise(w, group, sym, storage=storage, column_weights=weights)]
     monkeypatch.setattr(grid, "SEARCH_CHUNK", 3 * 512)  # 3 rows a chunk, the last one short
     assert grid._row_chunks(37, 512)[-1] == slice(36, 39)
-    chunked = [quantize_groupwise(w, 32, sym, clip_search=True, storage=storage),
-               quantize_groupwise(w, 32, sym, storage=storage, column_weights=weights)]
+    chunked = [quantize_groupwise(w, group, sym, clip_search=True, storage=storage),
+               quantize_groupwise(w, group, sym, storage=storage, column_weights=weights)]
     for a, b in zip(whole, chunked):
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)

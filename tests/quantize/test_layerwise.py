@@ -189,7 +189,7 @@ def test_cli_gptq_export_for_vllm_quantizes_the_head_on_an_asymmetric_grid(tiny_
     assert qc["sym"] is False and qc["lm_head"] is True and qc["damp_percent"] == 0.01
     assert CheckpointReader(out).infos["lm_head.qweight"].shape == (128 // 8, 512)
 
-def test_weighted_round_to_nearest_keeps_the_head_tied_and_verifies(tiny_model_tok, tmp_path):
+def test_weighted_rounding_keeps_the_head_tied_and_verifies(tiny_model_tok, tmp_path):
     out = tmp_path / "w"
     result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_model_tok), "--out", str(out), "--method",
                                        "weighted", "--recipe", "mixed", "--nsamples", "4", "--seqlen", "64",

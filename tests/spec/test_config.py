@@ -34,7 +34,7 @@ def test_scheme_for_a_module_override_an_ignored_module_and_the_rest():
     ({"bits": 8}, "bits is 8; cpu_int4 checkpoints are 4-bit"),
     ({"group_size": 100}, "group_size 100 is not one of"),
     ({"quant_method": "awq"}, "quant_method is 'awq'"),
-    ({"modules": {"x": {"bits": 5}}}, "bits 5 is not one of"),
+    ({"modules": {"x": {"bits": 7}}}, "bits 7 is not one of"),
     ({"modules": ["x"]}, "must map module names to schemes"),
     ({"symmetric": "yes"}, "symmetric must be true or false"),
     ({"surprise": 1}, "keys this int4q does not know: surprise"),

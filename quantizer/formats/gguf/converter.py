@@ -11,6 +11,7 @@ import functools
 import importlib
 import logging
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -57,14 +58,48 @@ def load() -> tuple[object, object]:
 
 
 def has_key(path: Path, key: str) -> bool:
-    """True for a GGUF file whose metadata holds ``key``."""
+    """True for a GGUF file whose metadata holds ``key``; read as far as that key only (a full
+    reader parses every token of the vocabulary: seconds)."""
     try:
         with open(path, "rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                return False
-        return key in load()[1].GGUFReader(path).fields
-    except (OSError, ValueError):
+            return key in _metadata_keys(f)
+    except (OSError, ValueError, struct.error):
         return False
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> size
+_STRING, _ARRAY = 8, 9
+
+
+def _metadata_keys(f):
+    """The metadata keys of a little-endian GGUF file (version 2 or later), in order, each value
+    skipped unread; ValueError where it is not one."""
+    if f.read(4) != GGUF_MAGIC:
+        raise ValueError("not a GGUF file")
+    version, _, count = struct.unpack("<IQQ", f.read(20))
+    if not 2 <= version < 1 << 16:
+        raise ValueError(f"GGUF version {version}")
+    for _ in range(count):
+        (length,) = struct.unpack("<Q", f.read(8))
+        name = f.read(length).decode("utf-8", "replace")
+        yield name
+        _skip_value(f, struct.unpack("<I", f.read(4))[0])
+
+
+def _skip_value(f, kind: int) -> None:
+    if kind in _SCALAR_BYTES:
+        f.seek(_SCALAR_BYTES[kind], 1)
+    elif kind == _STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _ARRAY:
+        item, n = struct.unpack("<IQ", f.read(12))
+        if item in _SCALAR_BYTES:
+            f.seek(n * _SCALAR_BYTES[item], 1)
+        else:
+            for _ in range(n):
+                _skip_value(f, item)
+    else:
+        raise ValueError(f"GGUF value type {kind}")
 
 
 def _check_same_writer(gguf, root: Path) -> None:

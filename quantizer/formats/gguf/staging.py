@@ -2,7 +2,8 @@
 module's finished blocks, and llama.cpp's converter then writes the one .gguf file from the
 source and those blocks (see assemble.py). Per quantized module ``<name>`` with a [N, K] weight:
 
-    <name>.gguf_blocks  uint8 [N, row bytes]  Q4_0 / Q4_1 / Q4_K (4-bit), Q8_0 (8-bit); see blocks.py
+    <name>.gguf_blocks  uint8 [N, row bytes]  Q4_0 / Q4_1 / Q4_K (4-bit), Q5_0 / Q5_1 / Q5_K (5-bit),
+                                              Q6_K (6-bit), Q8_0 (8-bit); see blocks.py and kquants.py
 """
 
 from __future__ import annotations
@@ -12,42 +13,48 @@ import torch
 from ...errors import InputError
 from ...io.shards import TensorSpec
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
-from ...spec.scheme import KEPT_BITS, ModuleScheme
-from .blocks import BLOCK, Q4_0_STORAGE, Q4_1_STORAGE, Q4_K, Q4_K_STORAGE, BlockType, block_type
+from ...spec.scheme import ModuleScheme
+from .blocks import BLOCK, TYPES, BlockType, block_type
+from .types import DEFAULT, GGUF_TYPES, GgufType, fallback, mixture_bits
 
 SUFFIX = "gguf_blocks"
-GGUF_TYPES = {"q4_0": True, "q4_1": False, "q4_k": False}  # --gguf-type -> symmetric grid
-KQUANT_TYPES = ("q4_k",)
-FILE_TYPES = {"Q4_K": "MOSTLY_Q4_K_S", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}  # general.file_type, by
-# the first of these types among the 4-bit modules'
 
 
 class GgufFormat:
-    """The gguf format; with ``kquants`` its asymmetric 4-bit modules are Q4_K where their rows are
-    whole super-blocks (Q4_1 elsewhere)."""
+    """The gguf format for one ``--gguf-type`` (None: Q4_0 or Q4_1, by the run's grid)."""
 
     name = quant_method = "gguf"
-    title, description = "GGUF", "one .gguf file (Q4_0/Q4_1/Q4_K 4-bit, Q8_0 8-bit) for llama.cpp"
+    title, description = "GGUF", "one .gguf file (Q4_0 to Q6_K, Q8_0 8-bit) for llama.cpp"
     quantizes_embedding, marker = True, SUFFIX
     default_symmetric, head_kept_by_default = False, False
-    bits = (4, 8)
+    bits = (4, 5, 6, 8)
     read_by = "llama.cpp, Ollama, LM Studio"
     single_file, suffix = True, ".gguf"
     group_sizes = (BLOCK,)
     out_dim_multiple = 1
     one_group_size = False
 
-    def __init__(self, kquants: bool = False):
-        self.kquants = kquants
+    def __init__(self, gguf_type: GgufType | None = None):
+        self.gguf_type = gguf_type
 
-    def grid_storage(self, symmetric: bool) -> Storage:
-        if symmetric:
-            return Q4_0_STORAGE
-        return Q4_K_STORAGE if self.kquants else Q4_1_STORAGE
+    @property
+    def head_bits(self) -> int | None:
+        """The precision a K_M mixture gives the head (and a table tied to it), as llama-quantize."""
+        return self.gguf_type.more_bits if self.gguf_type else None
+
+    def type_for(self, symmetric: bool) -> GgufType:
+        return self.gguf_type or DEFAULT[symmetric]
 
     def block_type(self, scheme: ModuleScheme, k: int) -> BlockType:
         """The block type a module with this scheme and input dim k is stored in."""
-        return block_type(scheme.bits, scheme.symmetric, k, self.kquants)
+        return block_type(scheme.bits, scheme.symmetric, k, self.type_for(scheme.symmetric).kquants)
+
+    def grid_storage(self, scheme: ModuleScheme, k: int) -> Storage:
+        return self.block_type(scheme, k).storage
+
+    def file_type(self, symmetric: bool) -> str:
+        """general.file_type (a LlamaFileType member name) of a run with this grid."""
+        return self.type_for(symmetric).file_type
 
     def tensor_specs(self, module: str, shape: tuple[int, ...], scheme: ModuleScheme) -> list[TensorSpec]:
         n, k = shape
@@ -61,45 +68,53 @@ class GgufFormat:
         return {f"{module}.{SUFFIX}": encode(quantized, kind)}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
-        kquants = {"gguf_type": KQUANT_TYPES[0]} if self.kquants else {}
-        return {**qconfig.to_dict(), "quant_method": self.quant_method, **kquants}
+        own = {"gguf_type": self.gguf_type.name} if self.gguf_type else {}
+        return {**qconfig.to_dict(), "quant_method": self.quant_method, **own}
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int]) -> dict[str, str]:
-        """Keep in bf16 (in place) the modules whose K no block of 32 divides; a note for each, and
-        for each K-quant module whose K no super-block divides (stored as Q4_1)."""
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
+        """In place: the modules a recipe left at 4 bits take the type's precision (a K_M mixture's
+        extra bits by the GGUF names of ``source``'s weights), then each module the type's
+        fallback for its input dim; a note for each fallback."""
+        t = self.gguf_type
+        if t is not None:
+            more = mixture_bits(t, *_names(source)) if t.more_bits else {}
+            for module, scheme in schemes.items():
+                bits = more.get(module, t.bits)
+                if scheme.bits == 4 and bits != 4:
+                    schemes[module] = t.scheme(bits)
         notes = {}
         for module, scheme in schemes.items():
-            k = k_dims[module]
-            if scheme.bits != KEPT_BITS and k % BLOCK:
-                schemes[module] = ModuleScheme(KEPT_BITS)
-                notes[module] = f"K={k} is not a multiple of GGUF's {BLOCK}-weight blocks: kept in bf16"
-            elif self.kquants and scheme.bits == 4 and not scheme.symmetric and not Q4_K.holds(k):
-                notes[module] = f"K={k} is not a multiple of Q4_K's {Q4_K.weights}-weight super-blocks: Q4_1"
+            schemes[module], note = fallback(scheme, k_dims[module], self.type_for(scheme.symmetric))
+            if note:
+                notes[module] = note
         return notes
 
     def module_problems(self, module: str, infos: dict, scheme: ModuleScheme) -> list[str]:
         name = f"{module}.{SUFFIX}"
         if scheme.bits not in self.bits:
-            return [f"{module}: GGUF blocks hold 4 or 8 bits, not {scheme.bits}"]
+            return [f"{module}: GGUF blocks hold {'/'.join(map(str, self.bits))} bits, not {scheme.bits}"]
         if name not in infos:
             return [f"{name}: missing"]
         info = infos[name]
-        kinds = {block_type(scheme.bits, scheme.symmetric, k, self.kquants) for k in (BLOCK, Q4_K.weights)}
+        kinds = {t for t in TYPES.values() if t.bits == scheme.bits and (t.bits == 8 or t.symmetric == scheme.symmetric)}
         if info.dtype != torch.uint8 or len(info.shape) != 2 or all(info.shape[1] % t.nbytes for t in kinds):
             return [f"{name}: {info.dtype} {list(info.shape)} is not a row of {'/'.join(t.name for t in kinds)} blocks"]
         return []
 
 
-def file_type(kinds: set[str]) -> str:
-    """general.file_type for a file whose quantized tensors have these block types."""
-    return next((FILE_TYPES[k] for k in FILE_TYPES if k in kinds), "MOSTLY_Q8_0")
+def _names(source) -> tuple[dict[str, list[str]], str]:
+    """(module -> the GGUF names of its weight, the GGUF architecture) of a planned source."""
+    from .names import gguf_names
+
+    found = gguf_names(source.model_dir, source.config, source.shapes)
+    return found.names, found.arch
 
 
 def check_gguf_type(gguf_type: str | None, symmetric: bool | None) -> bool | None:
     """The symmetric flag a --gguf-type implies, checked against --sym/--asym."""
     if gguf_type is None:
         return symmetric
-    implied = GGUF_TYPES[gguf_type]
+    implied = GGUF_TYPES[gguf_type].symmetric
     if symmetric is not None and symmetric != implied:
         raise InputError(f"--gguf-type {gguf_type} is {'a symmetric' if implied else 'an asymmetric'} grid; "
                          f"drop --{'asym' if implied else 'sym'}")
@@ -113,4 +128,4 @@ def variant(gguf_type: str) -> GgufFormat:
     """The format for a --gguf-type."""
     if gguf_type not in GGUF_TYPES:
         raise InputError(f"--gguf-type {gguf_type} is not one of {', '.join(GGUF_TYPES)}")
-    return GgufFormat(kquants=gguf_type in KQUANT_TYPES)
+    return GgufFormat(GGUF_TYPES[gguf_type])

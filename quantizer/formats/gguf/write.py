@@ -7,7 +7,7 @@ from pathlib import Path
 from ...io.checkpoint import CheckpointReader, read_config
 from .assemble import INT4Q_CONFIG_KEY, QuantizedWeight, write_gguf
 from .converter import has_key
-from .staging import FORMAT, file_type
+from .staging import FORMAT
 
 
 def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeight]:
@@ -31,8 +31,8 @@ def write_from_blocks(plan, blocks: CheckpointReader, out_file: Path) -> list[st
     tensors holding int4q's blocks."""
     weights = quantized_weights(plan, blocks)
     qconfig = read_config(blocks.dir)["quantization_config"]
-    kinds = {w.kind.name for w in weights.values()}
-    return write_gguf(plan.model_dir, plan.source_config, weights, out_file, file_type(kinds), qconfig)
+    file_type = plan.format.file_type(plan.options.symmetric)
+    return write_gguf(plan.model_dir, plan.source_config, weights, out_file, file_type, qconfig)
 
 
 def is_int4q_gguf(path: Path) -> bool:

@@ -216,11 +216,11 @@ void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double be
 bool gram_available() { return int4q_gram_available() != 0; }
 
 // GPTQ's column loop over columns [first, last) of one block (gptq_columns.c): w, scale, zero, safe,
-// codes, err fp32 [b, N] and flat bool [b, N], contiguous; u fp32 [b, b] contiguous. w, codes and
-// err are written in place; the rows are split between ATen's threads.
+// codes, err fp32 [b, N] and flat bool [b, N], contiguous; u fp32 [b, b] contiguous; codes 0..qmax
+// (2^bits - 1). w, codes and err are written in place; the rows are split between ATen's threads.
 void gptq_columns(const at::Tensor &w, const at::Tensor &u, const at::Tensor &scale, const at::Tensor &zero,
                   const at::Tensor &safe, const at::Tensor &flat, const at::Tensor &codes, const at::Tensor &err,
-                  int64_t first, int64_t last) {
+                  int64_t first, int64_t last, int64_t qmax) {
     TORCH_CHECK(w.dim() == 2, "int4q_native::gptq_columns: w must be fp32 [b, N], got ", w.sizes());
     const int64_t b = w.size(0), n = w.size(1);
     for (const at::Tensor *t : {&w, &scale, &zero, &safe, &codes, &err})
@@ -234,12 +234,14 @@ void gptq_columns(const at::Tensor &w, const at::Tensor &u, const at::Tensor &sc
                 "int4q_native::gptq_columns: u must be contiguous fp32 [", b, ", ", b, "]");
     TORCH_CHECK(0 <= first && first <= last && last <= b, "int4q_native::gptq_columns: columns [", first, ", ",
                 last, ") outside the block of ", b);
+    TORCH_CHECK(qmax == 15 || qmax == 31 || qmax == 63, "int4q_native::gptq_columns: qmax must be 15, 31 or 63, got ",
+                qmax);
     float *pw = w.data_ptr<float>(), *pc = codes.data_ptr<float>(), *pe = err.data_ptr<float>();
     const float *pu = u.data_ptr<float>(), *ps = scale.data_ptr<float>(), *pz = zero.data_ptr<float>(),
                 *pf = safe.data_ptr<float>();
     const auto *pflat = reinterpret_cast<const uint8_t *>(flat.data_ptr<bool>());
     at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-        int4q_gptq_columns(pw, pu, b, ps, pz, pf, pflat, pc, pe, n, first, last, r0, r1);
+        int4q_gptq_columns(pw, pu, b, ps, pz, pf, pflat, pc, pe, n, first, last, r0, r1, qmax);
     });
 }
 
@@ -256,7 +258,7 @@ TORCH_LIBRARY(int4q_native, m) {
     m.def("gram_bf16(Tensor(a!) c, Tensor x, float alpha, float beta) -> ()");
     m.def("gram_available() -> bool", &gram_available);
     m.def("gptq_columns(Tensor(a!) w, Tensor u, Tensor scale, Tensor zero, Tensor safe, Tensor flat, Tensor(b!) codes, "
-          "Tensor(c!) err, int first, int last) -> ()");
+          "Tensor(c!) err, int first, int last, int qmax) -> ()");
     m.def("dequant_level() -> int", &dequant_level);
     m.def("gemv_available() -> bool", &gemv_available);
     m.def("parallel_threads(int tasks) -> int", &parallel_threads);

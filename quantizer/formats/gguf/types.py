@@ -1,0 +1,98 @@
+"""The file types of ``--gguf-type`` and the block type each gives a module, as llama-quantize
+chooses them (llama.cpp's ``llama-quant.cpp``): the precision of the run's default modules, the
+K-quant mixtures' extra bits for some tensors, found by their GGUF names, and the type a row that
+256-weight super-blocks do not divide falls back to. Pure functions of names and shapes; no torch,
+so the CLI lists the names cheaply."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ...spec.scheme import GROUPS_OF, KEPT_BITS, ModuleScheme, more_bits_layer
+
+BLOCK = 32  # weights per block of the legacy types (and per group of Q4_K/Q5_K)
+SUPER = 256  # weights per K-quant super-block
+
+
+@dataclass(frozen=True)
+class GgufType:
+    """One ``--gguf-type``: the precision and grid of the modules a recipe leaves at 4 bits, whether
+    asymmetric ones are K-quants, and, for a K_M mixture, the bits of the tensors llama-quantize
+    gives more (``more_bits``: attn_v and ffn_down in its chosen layers, and the head) and of a
+    fused attn_qkv (``qkv_bits``). ``file_type``: the LlamaFileType of ``general.file_type``."""
+
+    name: str
+    bits: int
+    symmetric: bool
+    kquants: bool
+    file_type: str
+    more_bits: int | None = None
+    qkv_bits: int | None = None
+
+    def scheme(self, bits: int) -> ModuleScheme:
+        """A module of ``bits`` bits in this type's grid (6 bits: Q6_K's symmetric one)."""
+        return ModuleScheme(bits, GROUPS_OF[bits][0], self.symmetric or bits == 6)
+
+
+GGUF_TYPES = {t.name: t for t in (
+    GgufType("q4_0", 4, True, False, "MOSTLY_Q4_0"),
+    GgufType("q4_1", 4, False, False, "MOSTLY_Q4_1"),
+    GgufType("q5_0", 5, True, False, "MOSTLY_Q5_0"),
+    GgufType("q5_1", 5, False, False, "MOSTLY_Q5_1"),
+    GgufType("q4_k", 4, False, True, "MOSTLY_Q4_K_S"),  # every module Q4_K, like llama-quantize --pure
+    GgufType("q5_k", 5, False, True, "MOSTLY_Q5_K_S"),
+    GgufType("q6_k", 6, True, True, "MOSTLY_Q6_K"),
+    GgufType("q4_k_m", 4, False, True, "MOSTLY_Q4_K_M", more_bits=6, qkv_bits=5),
+    GgufType("q5_k_m", 5, False, True, "MOSTLY_Q5_K_M", more_bits=6, qkv_bits=6),
+)}
+DEFAULT = {True: GGUF_TYPES["q4_0"], False: GGUF_TYPES["q4_1"]}  # without --gguf-type, by the grid
+_BLOCK_ID = re.compile(r"^blk\.(\d+)\.")
+
+
+def mixture_bits(gguf_type: GgufType, names: dict[str, list[str]], arch: str) -> dict[str, int]:
+    """Module -> the bits a K_M mixture gives it instead of the type's own, by the GGUF names of
+    its weights (module -> names), as llama-quantize's Q4_K_M and Q5_K_M choose: attn_v by its
+    order among the attn_v tensors, ffn_down by its layer, a fused attn_qkv always."""
+    if gguf_type.more_bits is None:
+        return {}
+    first = {m: n[0] for m, n in names.items() if n}
+    values = sorted((m for m, n in first.items() if n.endswith(".attn_v.weight")), key=lambda m: _layer(first[m]))
+    downs = [m for m, n in first.items() if n.endswith(".ffn_down.weight")]
+    bits = {m: gguf_type.more_bits for i, m in enumerate(values) if more_bits_layer(i, len(values))}
+    for m in downs:
+        layer = _layer(first[m])
+        if arch == "falcon" and gguf_type.name == "q4_k_m":
+            if layer < len(downs) // 16:
+                bits[m] = 6
+            elif more_bits_layer(layer, len(downs)):
+                bits[m] = 5
+        elif more_bits_layer(layer, len(downs)):
+            bits[m] = gguf_type.more_bits
+    bits.update({m: gguf_type.qkv_bits for m, n in first.items() if n.endswith(".attn_qkv.weight")})
+    return bits
+
+
+def _layer(name: str) -> int:
+    m = _BLOCK_ID.match(name)
+    return int(m.group(1)) if m else 0
+
+
+def fallback(scheme: ModuleScheme, k: int, gguf_type: GgufType) -> tuple[ModuleScheme, str | None]:
+    """The scheme a module with input dim k is stored with, and a note where that is not its own:
+    kept in bf16 where 32 does not divide k; where 256 does not, Q4_K becomes Q5_0, Q5_K becomes
+    Q5_1 and Q6_K becomes Q8_0, as llama-quantize falls back."""
+    if scheme.kept:
+        return scheme, None
+    if k % BLOCK:
+        return ModuleScheme(KEPT_BITS), f"K={k} is not a multiple of GGUF's {BLOCK}-weight blocks: kept in bf16"
+    if k % SUPER == 0:
+        return scheme, None
+    why = f"K={k} is not a multiple of the {SUPER}-weight super-blocks"
+    if scheme.bits == 6:
+        return ModuleScheme(8, None, True), f"{why}: Q8_0 for Q6_K"
+    if gguf_type.kquants and not scheme.symmetric and scheme.bits == 4:
+        return ModuleScheme(5, BLOCK, True), f"{why}: Q5_0 for Q4_K"
+    if gguf_type.kquants and not scheme.symmetric and scheme.bits == 5:
+        return scheme, f"{why}: Q5_1 for Q5_K"
+    return scheme, None
