@@ -88,18 +88,20 @@ class Ranks:
         return box[0]
 
     def broadcast_dataclass(self, value, src: int):
-        """A dataclass of tensors (a quantized weight) from rank ``src``: its layout goes as an
-        object, then each tensor by itself."""
+        """A dataclass of tensors (a quantized weight) from rank ``src``: its layout and its other
+        fields (bit widths) go as an object, then each tensor by itself."""
         if not self.distributed:
             return value
         mine = self.rank == src
-        layout = self.broadcast_object(
-            (type(value), [(f.name, t.shape, t.dtype) for f in dataclasses.fields(value)
-                           for t in [getattr(value, f.name)]]) if mine else None, src=src)
-        kind, fields = layout
-        out = {}
-        for name, shape, dtype in fields:
-            t = getattr(value, name).to(self._comm_device()) if mine else torch.empty(
+        if mine:
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            layout = (type(value), {n: (v.shape, v.dtype) if isinstance(v, torch.Tensor) else v
+                                    for n, v in fields.items()}, [n for n, v in fields.items()
+                                                                  if isinstance(v, torch.Tensor)])
+        kind, out, tensor_names = self.broadcast_object(layout if mine else None, src=src)
+        for name in tensor_names:
+            shape, dtype = out[name]
+            t = fields[name].to(self._comm_device()) if mine else torch.empty(
                 shape, dtype=dtype, device=self._comm_device())
             self._collective(torch.distributed.broadcast, t, src=src)
             out[name] = t.to(self.device)

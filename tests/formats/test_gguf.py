@@ -15,6 +15,8 @@ from quantizer.cli.main import main
 gguf = pytest.importorskip("gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LLAMA_COMPLETION = f"{sys.prefix}/share/int4q/llama.cpp/build/bin/llama-completion"
+needs_llama_cpp = pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not "
+                                     "built here: bash scripts/setup_gguf.sh --build")
 
 
 def run(*args, **kwargs):
@@ -145,8 +147,7 @@ def test_an_output_name_without_gguf_and_a_missing_converter_are_one_line(source
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not built here: "
-                    "bash scripts/setup_gguf.sh --build")
+@needs_llama_cpp
 def test_llama_cpp_loads_and_runs_the_file(source, tmp_path):
     out = quantize(source, tmp_path / "m.gguf", "--method", "gptq", "--nsamples", "2", "--seqlen", "64")
     assert_llama_cpp_generates(out)
@@ -246,8 +247,7 @@ def test_q4_k_is_an_asymmetric_grid(wide_source, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not built here: "
-                    "bash scripts/setup_gguf.sh --build")
+@needs_llama_cpp
 def test_llama_cpp_runs_a_q4_k_file(wide_source, tmp_path):
     out = quantize(wide_source, tmp_path / "k.gguf", "--gguf-type", "q4_k", "--method", "weighted",
                    "--nsamples", "2", "--seqlen", "64")

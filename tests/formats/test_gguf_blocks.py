@@ -18,6 +18,17 @@ def weights(rows, blocks, seed, scale_exp):
     return (torch.randn(rows, 32 * blocks, generator=gen) * 2.0 ** scale_exp).to(torch.bfloat16)
 
 
+def assert_encodes_to_its_grid(gq, kind, rows: int, blocks: int) -> None:
+    """gq's blocks of `kind` decode, in the gguf package and in int4q, to gq's own grid values."""
+    data = B.encode(gq, kind)
+    assert data.shape == (rows, blocks * kind.nbytes)
+    theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
+    decoded = B.decode(data, kind)
+    assert np.array_equal(theirs, decoded.values().numpy())
+    assert torch.equal(decoded.codes, gq.codes)
+    torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 9), blocks=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
        scale_exp=st.integers(-12, 4), kind=st.sampled_from([B.Q4_0, B.Q4_1, B.Q5_0, B.Q5_1]), weighted=st.booleans())
@@ -26,13 +37,7 @@ def test_32_weight_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, bl
     column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
     gq = quantize_groupwise(w, 32, symmetric=kind.symmetric, storage=kind.storage, column_weights=column_weights)
     assert gq.bits == kind.bits and int(gq.codes.max()) < 2**kind.bits
-    data = B.encode(gq, kind)
-    assert data.shape == (rows, blocks * kind.nbytes)
-    theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
-    decoded = B.decode(data, kind)
-    assert np.array_equal(theirs, decoded.values().numpy())
-    assert torch.equal(decoded.codes, gq.codes)
-    torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
+    assert_encodes_to_its_grid(gq, kind, rows, blocks)
 
 
 @settings(max_examples=20, deadline=None)
@@ -66,13 +71,7 @@ def test_k_quant_blocks_decode_to_int4qs_grid_values_in_ggml_and_here(rows, supe
     column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
     group = 16 if kind is B.Q6_K else 32
     gq = quantize_groupwise(w, group, symmetric=kind.symmetric, storage=kind.storage, column_weights=column_weights)
-    data = B.encode(gq, kind)
-    assert data.shape == (rows, supers * kind.nbytes)
-    theirs = gguf.quants.dequantize(data.numpy(), getattr(gguf.GGMLQuantizationType, kind.name))
-    decoded = B.decode(data, kind)
-    assert np.array_equal(theirs, decoded.values().numpy())
-    assert torch.equal(decoded.codes, gq.codes)
-    torch.testing.assert_close(torch.from_numpy(theirs), gq.dequantize(), rtol=2e-7, atol=0)
+    assert_encodes_to_its_grid(gq, kind, rows, supers)
 
 
 @pytest.mark.parametrize("kind", [B.Q4_K, B.Q5_K, B.Q6_K, B.Q5_0])

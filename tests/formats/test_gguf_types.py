@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import save_tiny_llama
 from test_gguf import (
-    LLAMA_COMPLETION,
     assert_llama_cpp_generates,
     assert_verify_passes,
+    needs_llama_cpp,
     quantize,
     run,
     tensor_types,
@@ -110,8 +110,7 @@ def test_a_6_bit_override_and_a_mixture_with_a_recipe(eight_layers, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.gguf"]
 
 
-@pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not built here: "
-                    "bash scripts/setup_gguf.sh --build")
+@needs_llama_cpp
 def test_llama_cpp_runs_a_q4_k_m_file(eight_layers, tmp_path):
     out = quantize(eight_layers, tmp_path / "m.gguf", "--gguf-type", "q4_k_m", "--method", "weighted",
                    "--nsamples", "2", "--seqlen", "64")
