@@ -15,8 +15,8 @@ from ..runtime.activations import CHOICES
 def activation_options(command):
     """``--decode`` and ``--prefill``: the int4 linears' activation precision (see
     :mod:`quantizer.runtime.activations`); the command calls :func:`choose_activations` with them."""
-    for phase, rows in (("prefill", "from dequant_threshold rows on: prompts"), ("decode", "below dequant_threshold: "
-                                                                                           "one token at a time")):
+    for phase, rows in (("prefill", "from dequant_threshold rows on: prompts"),
+                        ("decode", "below dequant_threshold: one token at a time; int8 also attends in fp32")):
         command = click.option(f"--{phase}", type=click.Choice(CHOICES),
                                help=f"Activations of the int4 linears' {phase} ({rows}): exact bf16, or rounded "
                                     f"to int8 per weight group (faster where the CPU has AVX-512 VNNI, or for decode "

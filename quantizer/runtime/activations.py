@@ -2,7 +2,9 @@
 prefill) or ``int8`` (rounded per weight group, :mod:`.native.w4a8`), chosen separately for decode
 (fewer rows than ``dequant_threshold``) and prefill. The defaults (exact decode, int8 prefill) are
 the README's measured choice; int8 applies where the CPU has AVX-512 VNNI (both phases) or, for
-decode, AVX2 (:mod:`.native.w4a8_rows`); elsewhere those rows take the exact paths.
+decode, AVX2 (:mod:`.native.w4a8_rows`); elsewhere those rows take the exact paths. An int8
+decode also computes the fast decoder's single-token attention in fp32
+(:func:`.decode.decoder.attend_in_fp32`); exact decode keeps transformers' bf16 attention.
 
 The choice is a process setting carried in ``INT4Q_ACTIVATIONS`` (e.g. ``decode=int8,prefill=exact``),
 so the background compile worker a run starts builds the same step; :func:`choose` sets it.

@@ -4,13 +4,22 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import quantize_to, save_byte_tokenizer
 
 from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime import load_model
 from quantizer.runtime.cache import cache_dir
 from quantizer.runtime.decode import compiled as fastpath
-from quantizer.runtime.decode.decoder import FastDecoder, decode_step, mark_exact_norms, unsupported_reason
+from quantizer.runtime.decode.decoder import (
+    FastDecoder,
+    attend,
+    attend_in_fp32,
+    decode_step,
+    mark_exact_norms,
+    unsupported_reason,
+)
 from quantizer.runtime.decode.generation import (
     GenerationStats,
     encode_prompt,
@@ -226,3 +235,41 @@ def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model)
         decoder.forward(torch.tensor([[3, 4]]))
         step(*decoder.step_arguments(torch.tensor([[5]]), 2, for_tracing=True))
     assert graphs and graphs[0].count("int4q_native.mean_square") == 2 * len(decoder.layers) + 1
+
+
+def float64_attention(q, k, v, scale):
+    """One query's grouped attention in float64: q [1, H, 1, d], k/v [1, Hkv, L, d] -> [1, 1, H*d]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    weights = (q.double() @ k.transpose(-1, -2) * scale).softmax(-1)
+    return (weights @ v).transpose(1, 2).reshape(1, 1, -1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kv_heads=st.integers(1, 4), group=st.sampled_from([1, 3]), head_dim=st.sampled_from([16, 64]),
+       length=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_int8_decodes_single_query_attention_in_fp32_rounded_once(kv_heads, group, head_dim, length, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, kv_heads * group, 1, head_dim, generator=gen) * 2).bfloat16()
+    k, v = ((torch.randn(1, kv_heads, length, head_dim, generator=gen) * 2).bfloat16() for _ in range(2))
+    want = float64_attention(q, k, v, head_dim ** -0.5)
+    got = attend_in_fp32(q, k, v, length - 1, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all()
+    assert torch.equal(attend_in_fp32(q.expand(-1, -1, 2, -1), k, v, 0, 0.5), attend(q.expand(-1, -1, 2, -1), k, v, 0, 0.5))
+
+
+def test_the_attention_follows_the_decode_activations_and_keys_the_compiled_step(tiny_model, monkeypatch):
+    model = load_model(tiny_model)
+    monkeypatch.setenv("INT4Q_ACTIVATIONS", "decode=exact")
+    exact = FastDecoder(model, 16)
+    monkeypatch.setenv("INT4Q_ACTIVATIONS", "decode=int8")
+    int8 = FastDecoder(model, 16)
+    assert exact.attention is attend and int8.attention is attend_in_fp32
+    assert fastpath.artifact_path(model, exact.variant) != fastpath.artifact_path(model, int8.variant)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    for decoder in (exact, int8):
+        decoder.forward(ids)
+    steps = [(exact.forward(t.view(1, 1)).float(), int8.forward(t.view(1, 1)).float()) for t in ids[0, :4]]
+    assert all((got - want).abs().max() <= 0.02 * want.abs().max() for want, got in steps)
+    assert not all(torch.equal(got, want) for want, got in steps)  # the int8 decoder took its own attention

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from ..activations import current as current_activations
 from ..native.dequant import shared_weight_buffer
 from ..native.gemv import has_mean_square
 from ..nn.fusion import Int4Slice
@@ -164,16 +165,37 @@ def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).reshape(1, t, -1)
 
 
-def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale):
+def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
+    """:func:`attend` with one query (T = 1) computed in fp32 from the bf16 cache, the result
+    rounded to bf16 once; more queries go to :func:`attend`. Not bit-identical to it (bf16
+    attention rounds its probabilities to bf16), and several times faster where the CPU has no
+    bf16 dot products (README: CPUs without AVX-512)."""
+    if q.shape[2] != 1:
+        return attend(q, k, v, start, scale)
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(q.dtype).transpose(1, 2).reshape(1, 1, -1)
+
+
+def single_query_attention():
+    """The single-token step's attention: :func:`attend_in_fp32` when the process decodes with
+    int8 activations (a choice that already leaves bit-identity with transformers' forward),
+    else :func:`attend`."""
+    return attend_in_fp32 if current_activations().decode == "int8" else attend
+
+
+def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale,
+                attention=attend):
     """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long). ``keys``/``values`` are
-    the caches' views of positions 0..position; the token's K/V go into their last slot."""
+    the caches' views of positions 0..position; the token's K/V go into their last slot;
+    ``attention``: :func:`attend` or :func:`attend_in_fp32`."""
     h = embed(token).to(torch.bfloat16)
     cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
     for layer, layer_keys, layer_values in zip(layers, keys, values):
         q, k, v = attention_inputs(layer, h, cos, sin, rope)
         layer_keys[:, :, -1:].copy_(k)
         layer_values[:, :, -1:].copy_(v)
-        h = attention_output_and_mlp(layer, h, attend(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
+        h = attention_output_and_mlp(layer, h, attention(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
     return head(rms_norm(norm, h))[:, 0]
 
 
@@ -188,7 +210,6 @@ class FastDecoder(SteppedDecoder):
 
     step_function = staticmethod(decode_step)
     compile_options: dict = {}
-    variant = ""
 
     def __init__(self, model: torch.nn.Module, max_len: int):
         reason = unsupported_reason(model, max_len)
@@ -208,6 +229,8 @@ class FastDecoder(SteppedDecoder):
             self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
         for t in (self.cos, self.sin):  # one compiled graph serves every cache length
             torch._dynamo.mark_dynamic(t, 1)
+        self.attention = single_query_attention()
+        self.variant = "" if self.attention is attend else "fp32-attention"
         self.model = model
         self.layer_count = len(self.layers)
         self.max_len = max_len
@@ -226,7 +249,7 @@ class FastDecoder(SteppedDecoder):
             for t in (*keys, *values):
                 torch._dynamo.mark_dynamic(t, 2)
         return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
-                self.cos, self.sin, self.rope, self.scale)
+                self.cos, self.sin, self.rope, self.scale, self.attention)
 
     def probe(self) -> "FastDecoder":
         """A decoder of its own for checking a step (every cache length shares the graph)."""
@@ -252,7 +275,7 @@ class FastDecoder(SteppedDecoder):
                 q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
                 keys[:, :, start:end] = k
                 values[:, :, start:end] = v
-                h = attention_output_and_mlp(layer, h, attend(q, keys[:, :, :end], values[:, :, :end], start,
-                                                              self.scale))
+                h = attention_output_and_mlp(layer, h, self.attention(q, keys[:, :, :end], values[:, :, :end],
+                                                                      start, self.scale))
         self.position = end
         return self.head(self.norm(h[:, -1:]))[:, 0]
