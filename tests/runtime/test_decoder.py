@@ -256,7 +256,8 @@ def test_int8_decodes_single_query_attention_in_fp32_rounded_once(kv_heads, grou
     got = attend_in_fp32(q, k, v, length - 1, head_dim ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all()
-    assert torch.equal(attend_in_fp32(q.expand(-1, -1, 2, -1), k, v, 0, 0.5), attend(q.expand(-1, -1, 2, -1), k, v, 0, 0.5))
+    two_queries = q.expand(-1, -1, 2, -1)
+    assert torch.equal(attend_in_fp32(two_queries, k, v, 0, 0.5), attend(two_queries, k, v, 0, 0.5))
 
 
 def test_the_attention_follows_the_decode_activations_and_keys_the_compiled_step(tiny_model, monkeypatch):

@@ -172,9 +172,7 @@ def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
     bf16 dot products (README: CPUs without AVX-512)."""
     if q.shape[2] != 1:
         return attend(q, k, v, start, scale)
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out.to(q.dtype).transpose(1, 2).reshape(1, 1, -1)
+    return attend(q.float(), k.float(), v.float(), start, scale).to(q.dtype)
 
 
 def single_query_attention():
