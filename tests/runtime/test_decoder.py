@@ -10,6 +10,7 @@ from conftest import quantize_to, save_byte_tokenizer
 
 from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime import load_model
+from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.cache import cache_dir
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode.decoder import (
@@ -260,17 +261,17 @@ def test_int8_decodes_single_query_attention_in_fp32_rounded_once(kv_heads, grou
     assert torch.equal(attend_in_fp32(two_queries, k, v, 0, 0.5), attend(two_queries, k, v, 0, 0.5))
 
 
-def test_the_attention_follows_the_decode_activations_and_keys_the_compiled_step(tiny_model, monkeypatch):
-    model = load_model(tiny_model)
-    monkeypatch.setenv("INT4Q_ACTIVATIONS", "decode=exact")
-    exact = FastDecoder(model, 16)
-    monkeypatch.setenv("INT4Q_ACTIVATIONS", "decode=int8")
-    int8 = FastDecoder(model, 16)
+def test_the_attention_follows_the_models_decode_activations_and_keys_the_compiled_step(tiny_model, tiny_q,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("INT4Q_ACTIVATIONS", "decode=int8")  # the process's setting; each model says its own
+    exact = FastDecoder(load_model(tiny_q, activations=EXACT), 16)
+    int8 = FastDecoder(load_model(tiny_q, activations=Activations("int8", "exact")), 16)
+    assert FastDecoder(load_model(tiny_model), 16).attention is attend  # bf16: no int8 linears
     assert exact.attention is attend and int8.attention is attend_in_fp32
-    assert fastpath.artifact_path(model, exact.variant) != fastpath.artifact_path(model, int8.variant)
+    assert fastpath.artifact_path(exact.model, exact.variant) != fastpath.artifact_path(int8.model, int8.variant)
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
     for decoder in (exact, int8):
         decoder.forward(ids)
     steps = [(exact.forward(t.view(1, 1)).float(), int8.forward(t.view(1, 1)).float()) for t in ids[0, :4]]
     assert all((got - want).abs().max() <= 0.02 * want.abs().max() for want, got in steps)
-    assert not all(torch.equal(got, want) for want, got in steps)  # the int8 decoder took its own attention
+    assert not all(torch.equal(got, want) for want, got in steps)

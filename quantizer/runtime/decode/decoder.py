@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
-from ..activations import current as current_activations
 from ..native.dequant import shared_weight_buffer
 from ..native.gemv import has_mean_square
 from ..nn.fusion import Int4Slice
@@ -175,11 +174,11 @@ def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
     return attend(q.float(), k.float(), v.float(), start, scale).to(q.dtype)
 
 
-def single_query_attention():
-    """The single-token step's attention: :func:`attend_in_fp32` when the process decodes with
-    int8 activations (a choice that already leaves bit-identity with transformers' forward),
-    else :func:`attend`."""
-    return attend_in_fp32 if current_activations().decode == "int8" else attend
+def single_query_attention(model: torch.nn.Module):
+    """The single-token step's attention for ``model``: :func:`attend_in_fp32` when its int4
+    linears decode with int8 activations (a choice that already leaves bit-identity with
+    transformers' forward), else :func:`attend`."""
+    return attend_in_fp32 if any(getattr(m, "int8_decode", False) for m in model.modules()) else attend
 
 
 def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale,
@@ -227,7 +226,7 @@ class FastDecoder(SteppedDecoder):
             self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
         for t in (self.cos, self.sin):  # one compiled graph serves every cache length
             torch._dynamo.mark_dynamic(t, 1)
-        self.attention = single_query_attention()
+        self.attention = single_query_attention(model)
         self.variant = "" if self.attention is attend else "fp32-attention"
         self.model = model
         self.layer_count = len(self.layers)
