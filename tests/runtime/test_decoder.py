@@ -14,7 +14,9 @@ from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.cache import cache_dir
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode.decoder import (
+    FAST_MODEL_TYPES,
     FastDecoder,
+    applies_the_same_rope,
     attend,
     attend_in_fp32,
     decode_step,
@@ -83,6 +85,22 @@ def test_fast_decoder_equals_transformers_bit_for_bit(which, tiny_model, tiny_qw
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))
     for got, want in zip(fast_logits(model, ids), reference_logits(model, ids)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model_type", FAST_MODEL_TYPES)
+def test_the_fast_decoder_applies_the_same_rope_as_each_fast_model_type(model_type):
+    import importlib
+
+    assert applies_the_same_rope(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"))
+
+
+def test_a_model_whose_rope_differs_is_left_to_its_own_forward(tiny_model, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = load_model(tiny_model)
+    assert unsupported_reason(model, 16) is None
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin: (q, k))
+    assert "apply_rotary_pos_emb" in unsupported_reason(model, 16)
 
 
 def test_cache_overflow_is_an_input_error(tiny_model):

@@ -54,6 +54,8 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
         extra = (children - LAYER_CHILDREN) | (attn - ATTN_CHILDREN - {n for n in attn if n.endswith("_fused")})
         if children < LAYER_CHILDREN or extra:
             return f"decoder layer {type(layer).__name__} has other parts ({', '.join(sorted(extra)) or 'missing'})"
+    if not applies_the_same_rope(sys.modules[type(base.layers[0].self_attn).__module__]):
+        return "its apply_rotary_pos_emb is not Llama's"
     return None
 
 
@@ -133,7 +135,31 @@ class SteppedDecoder:
         raise NotImplementedError
 
 
-def attention_inputs(layer, h, cos, sin, rope):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension's halves (a, b) as (-b, a)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q, k, cos, sin):
+    """Llama's rotary position embedding of q and k [1, H, T, hd] by cos and sin [1, T, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def applies_the_same_rope(modeling) -> bool:
+    """Whether the modeling module's ``apply_rotary_pos_emb`` gives :func:`apply_rope`'s result,
+    bit for bit, on a seeded sample."""
+    theirs = getattr(modeling, "apply_rotary_pos_emb", None)
+    if not callable(theirs):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen).bfloat16() for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=gen).bfloat16() for _ in range(2))
+    return all(torch.equal(a, b) for a, b in zip(theirs(q, k, cos, sin), apply_rope(q, k, cos, sin)))
+
+
+def attention_inputs(layer, h, cos, sin):
     """h [1, T, D] -> rotated q [1, H, T, hd], k and v [1, Hkv, T, hd]."""
     attn = layer.self_attn
     x = rms_norm(layer.input_layernorm, h)
@@ -141,7 +167,7 @@ def attention_inputs(layer, h, cos, sin, rope):
     q, k, v = (t.view(shape) for t in _projections(attn, x))
     if hasattr(attn, "q_norm"):
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v.transpose(1, 2)
 
 
@@ -181,7 +207,7 @@ def single_query_attention(model: torch.nn.Module):
     return attend_in_fp32 if any(getattr(m, "int8_decode", False) for m in model.modules()) else attend
 
 
-def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, rope, scale,
+def decode_step(layers, embed, norm, head, token, position, keys, values, cos_table, sin_table, scale,
                 attention=attend):
     """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long). ``keys``/``values`` are
     the caches' views of positions 0..position; the token's K/V go into their last slot;
@@ -189,7 +215,7 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
     h = embed(token).to(torch.bfloat16)
     cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
     for layer, layer_keys, layer_values in zip(layers, keys, values):
-        q, k, v = attention_inputs(layer, h, cos, sin, rope)
+        q, k, v = attention_inputs(layer, h, cos, sin)
         layer_keys[:, :, -1:].copy_(k)
         layer_values[:, :, -1:].copy_(v)
         h = attention_output_and_mlp(layer, h, attention(q, layer_keys, layer_values, layer_keys.shape[2] - 1, scale))
@@ -218,7 +244,6 @@ class FastDecoder(SteppedDecoder):
         self.norm, self.embed, self.head = base.norm, model.get_input_embeddings(), model.get_output_embeddings()
         attn = self.layers[0].self_attn
         self.scale = attn.scaling
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         kv_shape = (1, config.num_key_value_heads, max_len, attn.head_dim)
         self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
@@ -246,7 +271,7 @@ class FastDecoder(SteppedDecoder):
             for t in (*keys, *values):
                 torch._dynamo.mark_dynamic(t, 2)
         return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
-                self.cos, self.sin, self.rope, self.scale, self.attention)
+                self.cos, self.sin, self.scale, self.attention)
 
     def probe(self) -> "FastDecoder":
         """A decoder of its own for checking a step (every cache length shares the graph)."""
@@ -269,7 +294,7 @@ class FastDecoder(SteppedDecoder):
         end = start + t
         with shared_weight_buffer():
             for layer, keys, values in zip(self.layers, self.keys, self.values):
-                q, k, v = attention_inputs(layer, h, cos, sin, self.rope)
+                q, k, v = attention_inputs(layer, h, cos, sin)
                 keys[:, :, start:end] = k
                 values[:, :, start:end] = v
                 h = attention_output_and_mlp(layer, h, self.attention(q, keys[:, :, :end], values[:, :, :end],
