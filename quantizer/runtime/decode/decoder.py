@@ -7,8 +7,10 @@ one function of tensors, :func:`decode_step`, which ``torch.compile`` turns into
 the whole model: the position is a tensor and the caches come in as views whose length is marked
 dynamic, so the graph holds for every position and every cache size.
 
-Covers decoder layers shaped like Llama's (:data:`FAST_MODEL_TYPES`); :func:`unsupported_reason`
-says why another model decodes through its own forward instead (:mod:`.static`).
+Covers decoder layers shaped like Llama's (:data:`FAST_MODEL_TYPES`: separate or fused q/k/v and
+gate/up projections, a rotary embedding over whole heads or their first part);
+:func:`unsupported_reason` says why another model decodes through its own forward instead
+(:mod:`.static`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from ..nn.fusion import Int4Slice
 MIN_CACHE = 4
 """Positions every decoder's cache has at least: the eager check runs a 3-token prompt and a step."""
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 """Model types whose decoder stack is exactly: embed, layers of the shape below, norm, head."""
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
+ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
 DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq depends on the sequence length
 
 
@@ -49,17 +51,39 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
     if window and getattr(config, "use_sliding_window", True) and max_len > window:
         return f"{max_len} tokens exceed the sliding window of {window}"
     for layer in base.layers:
-        children = {n for n, _ in layer.named_children()}
-        attn = {n for n, _ in layer.self_attn.named_children()} if hasattr(layer, "self_attn") else set()
-        extra = (children - LAYER_CHILDREN) | (attn - ATTN_CHILDREN - {n for n in attn if n.endswith("_fused")})
-        if children < LAYER_CHILDREN or extra:
-            return f"decoder layer {type(layer).__name__} has other parts ({', '.join(sorted(extra)) or 'missing'})"
-    if not applies_the_same_rope(sys.modules[type(base.layers[0].self_attn).__module__]):
+        difference = _other_parts(layer)
+        if difference:
+            return f"decoder layer {type(layer).__name__} has other parts ({difference})"
+    attn = base.layers[0].self_attn
+    with torch.no_grad():
+        rotary_dim = base.rotary_emb(torch.zeros(1), torch.arange(1)[None])[0].shape[-1]
+    if not applies_the_same_rope(sys.modules[type(attn).__module__], attn.head_dim, rotary_dim):
         return "its apply_rotary_pos_emb is not Llama's"
     return None
 
 
+def _other_parts(layer: torch.nn.Module) -> str:
+    """The layer's children beyond :data:`LAYER_CHILDREN` and :data:`ATTN_CHILDREN` (dropouts are
+    the identity in inference), or "missing" when it lacks one of them; "" when it has neither."""
+    def named(module):
+        return {n for n, m in module.named_children() if not isinstance(m, torch.nn.Dropout)}
+
+    children = named(layer)
+    attn = named(layer.self_attn) if hasattr(layer, "self_attn") else set()
+    extra = (children - LAYER_CHILDREN) | (attn - ATTN_CHILDREN - {n for n in attn if n.endswith("_fused")})
+    if extra:
+        return ", ".join(sorted(extra))
+    has_projections = {"q_proj", "k_proj", "v_proj"} <= attn or "qkv_proj" in attn
+    return "" if LAYER_CHILDREN <= children and has_projections and "o_proj" in attn else "missing"
+
+
 def _projections(attn, x):
+    """q, k, v of ``x``, from separate, grouped (:class:`Int4Slice`) or fused (``qkv_proj``) linears."""
+    if hasattr(attn, "qkv_proj"):
+        q_size = attn.config.num_attention_heads * attn.head_dim
+        kv_size = attn.config.num_key_value_heads * attn.head_dim
+        qkv = attn.qkv_proj(x)
+        return qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
     q = attn.q_proj
     if isinstance(q, Int4Slice) and q.group is attn.k_proj.group is attn.v_proj.group:
         return q.group(x)
@@ -142,21 +166,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q, k, cos, sin):
-    """Llama's rotary position embedding of q and k [1, H, T, hd] by cos and sin [1, T, hd]."""
+    """Llama's rotary position embedding of q and k [1, H, T, hd] by cos and sin [1, T, rd]: the
+    first rd (<= hd) of each head's dimensions rotate, the rest pass unchanged."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rotary = cos.shape[-1]
+    if rotary == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return tuple(torch.cat([x[..., :rotary] * cos + rotate_half(x[..., :rotary]) * sin, x[..., rotary:]], dim=-1)
+                 for x in (q, k))
 
 
-def applies_the_same_rope(modeling) -> bool:
+def applies_the_same_rope(modeling, head_dim: int = 8, rotary_dim: int = 8) -> bool:
     """Whether the modeling module's ``apply_rotary_pos_emb`` gives :func:`apply_rope`'s result,
-    bit for bit, on a seeded sample."""
+    bit for bit, on a seeded sample of heads of ``head_dim`` with ``rotary_dim`` rotating."""
     theirs = getattr(modeling, "apply_rotary_pos_emb", None)
     if not callable(theirs):
         return False
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 2, 3, 8, generator=gen).bfloat16() for _ in range(2))
-    cos, sin = (torch.randn(1, 3, 8, generator=gen).bfloat16() for _ in range(2))
-    return all(torch.equal(a, b) for a, b in zip(theirs(q, k, cos, sin), apply_rope(q, k, cos, sin)))
+    q, k = (torch.randn(1, 2, 3, head_dim, generator=gen).bfloat16() for _ in range(2))
+    cos, sin = (torch.randn(1, 3, rotary_dim, generator=gen).bfloat16() for _ in range(2))
+    try:
+        got = theirs(q, k, cos, sin)
+    except RuntimeError:  # a function that rotates whole heads cannot take a partial cos/sin
+        return False
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, apply_rope(q, k, cos, sin)))
 
 
 def attention_inputs(layer, h, cos, sin):
