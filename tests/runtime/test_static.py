@@ -1,5 +1,7 @@
 """Model types int4q's own decoder does not cover decode through their own forward over a static
-KV cache: exactly what transformers computes with that cache, and compiled like the fast path."""
+KV cache: exactly what transformers' default generate computes (attention over the written
+positions only) where the model's attention allows it, else what it computes with that static
+cache; compiled like the fast path."""
 
 import pytest
 import torch
@@ -8,7 +10,8 @@ from conftest import quantize_to, save_tiny_gpt2
 from quantizer.runtime import load_model
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode.generation import fast_greedy
-from quantizer.runtime.decode.static import StaticDecoder, cache_positions
+from quantizer.runtime.decode.exact_length import NAME, attends_over_exact_length
+from quantizer.runtime.decode.static import StaticDecoder, cache_argument, cache_positions
 
 PROMPT = torch.tensor([[1, 40, 7, 300, 12]])
 
@@ -23,13 +26,56 @@ def test_the_static_cache_holds_a_power_of_two_positions():
     assert [cache_positions(n) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
 
 
-def test_a_gpt2_decodes_as_transformers_generate_with_a_static_cache(gpt2_int4):
-    decoder = fastpath.open_decoder(gpt2_int4, 64, compile=False)
-    assert isinstance(decoder, StaticDecoder)
+def greedy_generate(model, cache_implementation=None, tokens=16) -> list[int]:
     with torch.inference_mode():
-        want = gpt2_int4.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=16, do_sample=False,
-                                  cache_implementation="static", eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
-    assert list(fast_greedy(decoder, PROMPT, 16, set())) == want
+        done = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=tokens, do_sample=False,
+                              cache_implementation=cache_implementation, eos_token_id=None)
+    return done[0, PROMPT.shape[1]:].tolist()
+
+
+def test_a_gpt2_computes_the_logits_of_transformers_default_dynamic_cache_bit_for_bit(gpt2_int4):
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(3))
+    steps = [ids[:, :-3]] + [ids[:, i : i + 1] for i in range(8, 11)]
+    decoder = fastpath.open_decoder(gpt2_int4, 64, compile=False)
+    assert isinstance(decoder, StaticDecoder) and decoder.exact_length
+    kwargs = {cache_argument(gpt2_int4): DynamicCache(config=gpt2_int4.config), "use_cache": True, "logits_to_keep": 1}
+    with torch.inference_mode():
+        for step in steps:
+            assert torch.equal(decoder.forward(step), gpt2_int4(input_ids=step, **kwargs).logits[:, -1])
+    assert list(fast_greedy(decoder, PROMPT, 16, set())) == greedy_generate(gpt2_int4)
+
+
+def test_the_exact_length_attention_leaves_the_models_own_forward_unchanged(tmp_path):
+    model = load_model(save_tiny_gpt2(tmp_path / "src"))
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    tokens = greedy_generate(model, "static")
+    assert StaticDecoder(model, 64).exact_length and model.config._attn_implementation == NAME
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert greedy_generate(model, "static") == tokens
+
+
+def test_a_model_whose_attention_is_not_given_the_length_keeps_its_masked_attention(tmp_path):
+    model = load_model(save_tiny_gpt2(tmp_path / "src"))
+    assert not attends_over_exact_length(model, lambda: model(input_ids=PROMPT))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_outside_transformers_attention_interface_decodes_as_generate_with_a_static_cache(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                          new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False)
+    FalconForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    model = load_model(quantize_to(tmp_path / "src", tmp_path / "q", group_size=32))
+    decoder = fastpath.open_decoder(model, 64, compile=False)
+    assert isinstance(decoder, StaticDecoder) and not decoder.exact_length
+    assert list(fast_greedy(decoder, PROMPT, 16, set())) == greedy_generate(model, "static")
 
 
 def test_the_compiled_static_step_decodes_the_eager_tokens(gpt2_int4, tmp_path, monkeypatch):

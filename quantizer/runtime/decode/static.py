@@ -4,8 +4,10 @@ KV cache, so that one graph of a single-token step can be compiled for it (see
 
 The cache holds a fixed number of positions (a power of two, at least :data:`MIN_POSITIONS`),
 so one compiled step serves every prompt up to that length; its layers (full or sliding
-window, as the config says) are allocated by the first forward, the prompt's. A compiled step
-over sliding-window layers that the sequence outgrows fails the eager check and is not used.
+window, as the config says) are allocated by the first forward, the prompt's. Where the model
+allows it (:mod:`.exact_length`), attention runs over the written positions only, as over
+transformers' default dynamic cache. A compiled step over sliding-window layers that the
+sequence outgrows fails the eager check and is not used.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import inspect
 import torch
 
 from .decoder import SteppedDecoder
+from .exact_length import attends_over_exact_length
 
 MIN_POSITIONS = 256
 
@@ -24,10 +27,13 @@ def cache_positions(max_len: int) -> int:
     return max(MIN_POSITIONS, 1 << (max(max_len, 1) - 1).bit_length())
 
 
-def static_step(model, token, position, cache: dict):
+def static_step(model, token, position, cache: dict, written=None):
     """Logits [1, V] after ``token`` [1, 1] at ``position`` ([1] long); its keys and values go
-    into the static cache ``cache`` holds under the name the model's forward takes it by."""
-    out = model(input_ids=token, cache_position=position, use_cache=True, logits_to_keep=1, **cache)
+    into the static cache ``cache`` holds under the name the model's forward takes it by.
+    ``written``: a tensor of position + 1 elements, for attention over that many positions
+    (see :mod:`.exact_length`), or None."""
+    extra = {} if written is None else {"int4q_positions": written}
+    out = model(input_ids=token, cache_position=position, use_cache=True, logits_to_keep=1, **cache, **extra)
     return out.logits[:, -1]
 
 
@@ -70,10 +76,20 @@ class StaticDecoder(SteppedDecoder):
         self.layer_count = model.config.get_text_config().num_hidden_layers
         self.cache = _static_cache(model.config, self.max_len)
         self.cache_arguments = {cache_argument(model): self.cache}
-        self.variant = f"static{self.max_len}"
         self.position = 0
         self.compiled = None
         self.pending = None
+        self.written = torch.empty(self.max_len)  # its views' lengths: the positions attention reads
+        window = getattr(model.config.get_text_config(), "sliding_window", None)
+        self.exact_length = not window or self.max_len < window
+        self.exact_length = self.exact_length and attends_over_exact_length(model, self._eager_run)
+        self.variant = f"static{self.max_len}" + ("-exact" if self.exact_length else "")
+
+    def _eager_run(self) -> None:
+        self.reset()
+        self.forward(torch.tensor([[1, 2, 3]]))
+        self.forward(torch.tensor([[4]]))
+        self.reset()
 
     def probe(self) -> "StaticDecoder":
         """A decoder of its own for checking a step (the same cache length, so the same graph)."""
@@ -85,7 +101,11 @@ class StaticDecoder(SteppedDecoder):
         self.forward(torch.zeros(1, 2, dtype=torch.long))
 
     def step_arguments(self, token: torch.Tensor, start: int, for_tracing: bool = False) -> tuple:
-        return self.model, token, torch.tensor([start]), self.cache_arguments
+        """:func:`static_step`'s arguments; ``for_tracing`` marks the written length dynamic."""
+        written = self.written[: start + 1] if self.exact_length else None
+        if for_tracing and written is not None:
+            torch._dynamo.mark_dynamic(written, 0)
+        return self.model, token, torch.tensor([start]), self.cache_arguments, written
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -94,7 +114,9 @@ class StaticDecoder(SteppedDecoder):
 
     def eager_forward(self, ids: torch.Tensor) -> torch.Tensor:
         start, t = self.position, ids.shape[1]
+        exact = self.exact_length and (start == 0 or t == 1)
+        extra = {"int4q_positions": self.written[: start + t]} if exact else {}
         out = self.model(input_ids=ids, cache_position=torch.arange(start, start + t), use_cache=True,
-                         logits_to_keep=1, **self.cache_arguments)
+                         logits_to_keep=1, **self.cache_arguments, **extra)
         self.position = start + t
         return out.logits[:, -1]
