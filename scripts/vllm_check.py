@@ -99,7 +99,8 @@ def run_vllm(python: Path, folders: list[Path], prompts_file: Path, max_new: int
                           capture_output=True, text=True, cwd=prompts_file.parent, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or len(lines) != len(folders):
-        return [{"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}] * len(folders)
+        errors = [x for x in done.stderr.splitlines() if "Error" in x] or done.stderr.strip().splitlines()
+        return [{"error": (errors or ["no output"])[-1].strip()}] * len(folders)
     return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
@@ -152,8 +153,9 @@ def main() -> None:
           "| batch 4 tok/s | batch 16 tok/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['arm']} | failed: {r['error']} | | | | | |")
+        if "error" in r or "unsupported" in r:
+            print(f"| {r['arm']} | " + (f"failed: {r['error']}" if "error" in r else f"not run: {r['unsupported']}")
+                  + " | | | | | |")
             continue
         print(f"| {r['arm']} | {r['vs_dequantized']} | {r['vs_int4q_runtime']} | {r['load_s']} | {r['single']} "
               f"| {r['batch4']} | {r['batch16']} |")
@@ -175,7 +177,8 @@ def side_by_side(python: Path, work: Path, prompts_file: Path, tokens: int) -> N
     print("| --- | --- | --- | --- |")
     for label, r in zip(arms, results):
         cells = " | ".join(str(r.get(k, "-")) for k in ("single", "batch4", "batch16"))
-        print(f"| {label} | {cells} |" if "error" not in r else f"| {label} | failed: {r['error']} | | |")
+        problem = r.get("error") or r.get("unsupported")
+        print(f"| {label} | {cells} |" if not problem else f"| {label} | {problem} | | |")
 
 if __name__ == "__main__":
     main()
