@@ -8,8 +8,10 @@ dequantization of the checkpoint run in transformers (and, for cpu_int4, to int4
 exact), load
 time, single-stream and batched tokens/s. Then cpu_int4 through int4q's plugin and the GPTQ export
 through vLLM's kernel once more, side by side in one vLLM process, their timed runs interleaved.
+With ``--serve``, the cpu_int4 checkpoint also under ``vllm serve``, its completions' tokens
+compared with the offline engine's.
 
-    python scripts/vllm_check.py --model models/smollm2-135m-bf16 --work /tmp/vllm-check [--venv DIR]
+    python scripts/vllm_check.py --model models/smollm2-135m-bf16 --work /tmp/vllm-check [--venv DIR] [--serve]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ARMS = (
     ("gptq sym g64", ("--format", "gptq", "--group-size", "64"), "gptq"),
     ("awq asym g64", ("--format", "awq", "--group-size", "64"), "awq"),
 )
+SERVED = "cpu_int4 g64"
 
 
 def sh(cmd, **kwargs) -> subprocess.CompletedProcess:
@@ -104,6 +107,17 @@ def run_vllm(python: Path, folders: list[Path], prompts_file: Path, max_new: int
     return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
+def serve_row(python: Path, folder: Path, prompts, tokens: int, offline, runtime) -> str:
+    """One line: how ``vllm serve``'s greedy completions compare with the offline engine's and int4q's."""
+    from vllm_serve import served_tokens
+
+    served = served_tokens(python, folder, prompts, tokens)
+    if "error" in served:
+        return f"failed: {served['error']}"
+    return (f"answered after {served['start_s']} s; greedy = offline vLLM {matches(served['tokens'], offline)}, "
+            f"= int4q runtime {matches(served['tokens'], runtime)}")
+
+
 def matches(a: list[list[int]], b: list[list[int]]) -> str:
     """'same/prompts (first difference at tokens i, j, ...)'."""
     first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
@@ -118,6 +132,7 @@ def main() -> None:
     ap.add_argument("--venv", type=Path, help="the vLLM venv (default: <work>/venv)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--arms", nargs="+", help="labels of the arms to run (default: all)")
+    ap.add_argument("--serve", action="store_true", help="also serve the cpu_int4 g64 arm with `vllm serve`")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -146,6 +161,8 @@ def main() -> None:
         if "tokens" in got:
             row["vs_dequantized"] = matches(got["tokens"], reference)
             row["vs_int4q_runtime"] = matches(got["tokens"], runtime) if runtime else "-"
+        if args.serve and label == SERVED and "tokens" in got:
+            row["serve"] = serve_row(python, folder, prompts, args.tokens, got["tokens"], runtime)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\nvLLM ({VLLM}) on {args.model.name}, {len(prompts)} prompts x {args.tokens} greedy tokens\n")
@@ -159,7 +176,10 @@ def main() -> None:
             continue
         print(f"| {r['arm']} | {r['vs_dequantized']} | {r['vs_int4q_runtime']} | {r['load_s']} | {r['single']} "
               f"| {r['batch4']} | {r['batch16']} |")
-    failed = [r["arm"] for r in rows if "error" in r]
+    for r in rows:
+        if "serve" in r:
+            print(f"\n`vllm serve` ({r['arm']}): {r['serve']}")
+    failed = [r["arm"] for r in rows if "error" in r or "failed" in r.get("serve", "")]
     side_by_side(python, args.work, prompts_file, args.tokens)
     sys.exit(1 if failed else 0)
 
@@ -179,6 +199,7 @@ def side_by_side(python: Path, work: Path, prompts_file: Path, tokens: int) -> N
         cells = " | ".join(str(r.get(k, "-")) for k in ("single", "batch4", "batch16"))
         problem = r.get("error") or r.get("unsupported")
         print(f"| {label} | {cells} |" if not problem else f"| {label} | {problem} | | |")
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """int4q checkpoints in a real vLLM (the reduced form of scripts/vllm_check.py): the cpu_int4
-plugin and the AWQ export load, and vLLM's greedy tokens are int4q's own runtime's / an exact
-dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its python."""
+plugin and the AWQ export load, offline and served, and vLLM's greedy tokens are int4q's own
+runtime's / an exact dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its python."""
 
 import json
 import os
@@ -69,3 +69,22 @@ def test_a_fused_vllm_linear_with_mixed_schemes_is_refused_naming_its_parts(smol
     assert done.returncode != 0
     assert "runs model.layers.0.self_attn.qkv_proj as one fused linear" in logged
     assert "model.layers.0.self_attn.v_proj: 8-bit" in logged
+
+
+def test_the_served_checkpoint_answers_with_the_runtimes_greedy_tokens(smollm2_bf16, prompts, tmp_path):
+    from vllm_check import greedy
+    from vllm_serve import served_tokens
+
+    from quantizer.runtime.activations import EXACT
+    from quantizer.runtime.loader import load_model
+
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(smollm2_bf16), "--out", str(out), "--no-progress",
+                                       "--group-size", "64"])
+    assert result.exit_code == 0, result.output
+    served = served_tokens(Path(VLLM_PYTHON), out, prompts, TOKENS)
+    assert "tokens" in served, served
+    with torch.inference_mode():
+        want = greedy(load_model(out, activations=EXACT), prompts, TOKENS)
+    same = sum(a == b for a, b in zip(served["tokens"], want))
+    assert same >= len(prompts) - 1, (served["tokens"], want)  # as above: one near-tie allowed
