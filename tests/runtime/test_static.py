@@ -90,13 +90,14 @@ def test_the_compiled_static_step_decodes_the_eager_tokens(gpt2_int4, tmp_path, 
     assert fastpath.open_decoder(gpt2_int4, 64).compiled is not None
 
 
-def test_a_sliding_window_model_compiles_while_its_window_holds_the_sequence(tmp_path, monkeypatch):
+@pytest.mark.parametrize("window", [512, 8], ids=["window-holds-the-sequence", "sequence-outgrows-the-window"])
+def test_a_sliding_window_model_decodes_compiled_as_generate(window, tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=128, intermediate_size=256,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                  sliding_window=512, layer_types=["sliding_attention", "full_attention"])
+                                  sliding_window=window, layer_types=["sliding_attention", "full_attention"])
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
     model = load_model(quantize_to(tmp_path / "src", tmp_path / "q", group_size=32))
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path / "cache")
@@ -104,4 +105,6 @@ def test_a_sliding_window_model_compiles_while_its_window_holds_the_sequence(tmp
     compiled = fastpath.open_decoder(model, 64)
     assert isinstance(compiled, StaticDecoder) and compiled.compiled is not None
     eager = fastpath.open_decoder(model, 64, compile=False)
-    assert list(fast_greedy(compiled, PROMPT, 24, set())) == list(fast_greedy(eager, PROMPT, 24, set()))
+    tokens = list(fast_greedy(compiled, PROMPT, 24, set()))  # 29 positions: past a window of 8
+    assert tokens == list(fast_greedy(eager, PROMPT, 24, set()))
+    assert tokens == greedy_generate(model, tokens=24)

@@ -4,10 +4,9 @@ KV cache, so that one graph of a single-token step can be compiled for it (see
 
 The cache holds a fixed number of positions (a power of two, at least :data:`MIN_POSITIONS`),
 so one compiled step serves every prompt up to that length; its layers (full or sliding
-window, as the config says) are allocated by the first forward, the prompt's. Where the model
-allows it (:mod:`.exact_length`), attention runs over the written positions only, as over
-transformers' default dynamic cache. A compiled step over sliding-window layers that the
-sequence outgrows fails the eager check and is not used.
+window alike: a sliding window is the mask's) are allocated by the first forward, the prompt's.
+Where the model allows it (:mod:`.exact_length`) and no window is shorter than the cache,
+attention runs over the written positions only, as over transformers' default dynamic cache.
 """
 
 from __future__ import annotations
@@ -50,16 +49,16 @@ def no_guards(entries) -> list[bool]:
 
 
 def _static_cache(config, positions: int):
-    """transformers' static cache for ``config``. Where every position fits the sliding window,
-    its sliding-window layers are plain static ones (the same attention over those positions):
-    theirs keep the length in a Python int, which a compiled step would freeze at one position."""
+    """transformers' static cache for ``config``, its sliding-window layers plain static ones of
+    ``positions`` too: theirs keep the length in a Python int, which a compiled step would freeze
+    at one position. The window then comes from the mask alone (transformers' sliding causal mask
+    over absolute positions, made from tensors), the same attention; the cost is memory, every
+    position held in every layer."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
     cache = StaticCache(config=config, max_cache_len=positions)
-    window = getattr(config.get_text_config(), "sliding_window", None)
-    if window and positions <= window:
-        cache.layers = [StaticLayer(max_cache_len=positions) if layer.is_sliding else layer for layer in cache.layers]
+    cache.layers = [StaticLayer(max_cache_len=positions) if layer.is_sliding else layer for layer in cache.layers]
     return cache
 
 
