@@ -8,8 +8,8 @@ dequantization of the checkpoint run in transformers (and, for cpu_int4, to int4
 exact), load
 time, single-stream and batched tokens/s. Then cpu_int4 through int4q's plugin and the GPTQ export
 through vLLM's kernel once more, side by side in one vLLM process, their timed runs interleaved.
-With ``--serve``, the cpu_int4 checkpoint also under ``vllm serve``, its completions' tokens
-compared with the offline engine's.
+With ``--serve``, the cpu_int4 checkpoint also under vLLM's OpenAI server (scripts/vllm_serve.py),
+its completions' tokens compared with the offline engine's and int4q's.
 
     python scripts/vllm_check.py --model models/smollm2-135m-bf16 --work /tmp/vllm-check [--venv DIR] [--serve]
 """
@@ -108,7 +108,7 @@ def run_vllm(python: Path, folders: list[Path], prompts_file: Path, max_new: int
 
 
 def serve_row(python: Path, folder: Path, prompts, tokens: int, offline, runtime) -> str:
-    """One line: how ``vllm serve``'s greedy completions compare with the offline engine's and int4q's."""
+    """One line: how the served greedy completions compare with the offline engine's and int4q's."""
     from vllm_serve import served_tokens
 
     served = served_tokens(python, folder, prompts, tokens)
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--venv", type=Path, help="the vLLM venv (default: <work>/venv)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--arms", nargs="+", help="labels of the arms to run (default: all)")
-    ap.add_argument("--serve", action="store_true", help="also serve the cpu_int4 g64 arm with `vllm serve`")
+    ap.add_argument("--serve", action="store_true", help="also serve the cpu_int4 g64 arm (vLLM's OpenAI server)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -178,7 +178,7 @@ def main() -> None:
               f"| {r['batch4']} | {r['batch16']} |")
     for r in rows:
         if "serve" in r:
-            print(f"\n`vllm serve` ({r['arm']}): {r['serve']}")
+            print(f"\nServed ({r['arm']}): {r['serve']}")
     failed = [r["arm"] for r in rows if "error" in r or "failed" in r.get("serve", "")]
     side_by_side(python, args.work, prompts_file, args.tokens)
     sys.exit(1 if failed else 0)
