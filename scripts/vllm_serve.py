@@ -43,7 +43,8 @@ def served_tokens(python: Path, folder: Path, prompts: list[list[int]], max_new:
                                   env={**os.environ, **SERVE_ENV})
     try:
         if not _healthy(server, port, start + timeout_s):
-            return {"error": _last_error(log) or f"no answer on port {port} within {timeout_s:.0f} s"}
+            error = last_error_line(log.read_text(errors="replace"))
+            return {"error": error or f"no answer on port {port} within {timeout_s:.0f} s"}
         start_s = round(time.perf_counter() - start, 1)
         return {"tokens": [_complete(port, str(folder), ids, max_new) for ids in prompts], "start_s": start_s}
     finally:
@@ -75,7 +76,9 @@ def _complete(port: int, model: str, prompt: list[int], max_new: int) -> list[in
         return json.load(r)["choices"][0]["token_ids"]
 
 
-def _last_error(log: Path) -> str | None:
-    lines = log.read_text(errors="replace").splitlines()
+def last_error_line(output: str) -> str | None:
+    """A failed vLLM process's output -> its last line naming an error (else its last line, or None
+    for no output): vLLM logs warnings after the exception that stopped it."""
+    lines = output.strip().splitlines()
     errors = [x for x in lines if "Error" in x]
     return (errors or lines or [None])[-1]

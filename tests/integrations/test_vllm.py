@@ -1,6 +1,7 @@
 """int4q checkpoints in a real vLLM (the reduced form of scripts/vllm_check.py): the cpu_int4
 plugin and the AWQ export load, offline and served, and vLLM's greedy tokens are int4q's own
-runtime's / an exact dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its python."""
+runtime's / an exact dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its
+python."""
 
 import json
 import os
