@@ -35,6 +35,57 @@ void int4q_w4a8_split(const int8_t *xq, int64_t k, int8_t *even, int8_t *odd) {
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
+/* The even and odd elements of 16 bf16 values, as 8 floats each. */
+AVX2 static inline void load_pairs(const uint16_t *x, __m256 *even, __m256 *odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)x);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* a, b int32 [8] each (in [-127, 127]) -> 16 int8 at dst, in order. */
+AVX2 static inline void store_codes(__m256i a, __m256i b, int8_t *dst) {
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    const __m256i bytes = _mm256_packs_epi16(words, words);
+    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(bytes));
+    _mm_storel_epi64((__m128i *)(dst + 8), _mm256_extracti128_si256(bytes, 1));
+}
+
+/* One group of x (group_size % 32 == 0) rounded as int4_w4a8.c's quantize_group rounds it (the
+ * sum of x in another order), its codes written as their even and odd elements. */
+AVX2 static void quantize_group_split(const uint16_t *x, int64_t group_size, int8_t *even, int8_t *odd,
+                                      float *xscale, int32_t *xqsum, float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < group_size; i += 16) {
+        __m256 e, o;
+        load_pairs(x + i, &e, &o);
+        sum = _mm256_add_ps(sum, _mm256_add_ps(e, o));
+        amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_andnot_ps(sign, e), _mm256_andnot_ps(sign, o)));
+    }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+    const __m256 inv = _mm256_set1_ps(top > 0 ? 127.0f / top : 0.0f);
+    __m256i qsum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < group_size; i += 32) {
+        __m256 e0, o0, e1, o1;
+        load_pairs(x + i, &e0, &o0);
+        load_pairs(x + i + 16, &e1, &o1);
+        /* nearest even, as rintf */
+        const __m256i qe0 = _mm256_cvtps_epi32(_mm256_mul_ps(e0, inv)), qo0 = _mm256_cvtps_epi32(_mm256_mul_ps(o0, inv));
+        const __m256i qe1 = _mm256_cvtps_epi32(_mm256_mul_ps(e1, inv)), qo1 = _mm256_cvtps_epi32(_mm256_mul_ps(o1, inv));
+        store_codes(qe0, qe1, even + i / 2);
+        store_codes(qo0, qo1, odd + i / 2);
+        qsum = _mm256_add_epi32(qsum, _mm256_add_epi32(_mm256_add_epi32(qe0, qo0), _mm256_add_epi32(qe1, qo1)));
+    }
+    __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+    q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4E));
+    q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0xB1));
+    *xscale = top / 127.0f;
+    *xqsum = _mm_cvtsi128_si32(q4);
+    *xsum = int4q_sum8(sum);
+}
+
 /* f[g - g0] = scale[g] * xscale[g] for groups [g0, g1) of one channel; returns the sum over them of
  * zero * xsum - 8 * f * xqsum (the terms that need no codes). */
 AVX2 static float channel_factors(const uint16_t *scale, const uint16_t *zero, const float *xscale,
@@ -128,6 +179,23 @@ AVX2 static void rows_avx2(const int8_t *even, const int8_t *odd, const float *x
 
 /* 1 when this CPU has AVX2 and FMA and int4q_max_level() allows vectors. */
 int int4q_w4a8_rows_available(void) { return int4q_gemv_rows_level(); }
+
+/* Row x bf16 [k] -> its int8 codes as even, odd [k / 2] (int4q_w4a8_split of int4q_quantize_row's)
+ * and, per group, xscale, xqsum and xsum as int4q_quantize_row gives them (xsum summed in another
+ * order where vectors are used); group_size % 32 == 0. */
+void int4q_quantize_row_split(const uint16_t *x, int64_t k, int64_t group_size, int8_t *xq, int8_t *even,
+                              int8_t *odd, float *xscale, int32_t *xqsum, float *xsum) {
+#if INT4Q_X86
+    if (int4q_w4a8_rows_available() && group_size % 32 == 0) {
+        for (int64_t g = 0; g < k / group_size; g++)
+            quantize_group_split(x + g * group_size, group_size, even + g * group_size / 2, odd + g * group_size / 2,
+                                 xscale + g, xqsum + g, xsum + g);
+        return;
+    }
+#endif
+    int4q_quantize_row(x, k, group_size, xq, xscale, xqsum, xsum);
+    int4q_w4a8_split(xq, k, even, odd);
+}
 
 /* Output channels [first, last) of m rows: even/odd int8 [m][k / 2] from int4q_w4a8_split of
  * int4q_quantize_row's codes, xscale/xqsum/xsum [m][k / group_size] from it; packed uint8

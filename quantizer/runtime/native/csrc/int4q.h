@@ -73,6 +73,8 @@ void int4q_w4a8_blocks(const int8_t *xq, const float *xscale, const int32_t *xqs
 
 int int4q_w4a8_rows_available(void);
 void int4q_w4a8_split(const int8_t *xq, int64_t k, int8_t *even, int8_t *odd);
+void int4q_quantize_row_split(const uint16_t *x, int64_t k, int64_t group_size, int8_t *xq, int8_t *even,
+                              int8_t *odd, float *xscale, int32_t *xqsum, float *xsum);
 void int4q_w4a8_rows(const int8_t *even, const int8_t *odd, const float *xscale, const int32_t *xqsum,
                      const float *xsum, int64_t m, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
                      uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);

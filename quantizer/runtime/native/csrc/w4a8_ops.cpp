@@ -50,21 +50,38 @@ RoundedRows round_rows(const at::Tensor &x, int64_t group_size, bool split) {
     xqsum_buffer.resize(m * groups), split_buffer.resize(split ? m * k : 0);
     RoundedRows a{xq_buffer.data(), split_buffer.data(), split_buffer.data() + m * k / 2, xscale_buffer.data(),
                   xsum_buffer.data(), xqsum_buffer.data()};
-    quantize_rows(x, group_size, a.xq, a.xscale, a.xqsum, a.xsum);
-    for (int64_t r = 0; split && r < m; r++) int4q_w4a8_split(a.xq + r * k, k, a.even + r * k / 2, a.odd + r * k / 2);
+    if (!split) {
+        quantize_rows(x, group_size, a.xq, a.xscale, a.xqsum, a.xsum);
+        return a;
+    }
+    const at::Tensor xc = x.contiguous();
+    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
+    for (int64_t r = 0; r < m; r++)
+        int4q_quantize_row_split(xs + r * k, k, group_size, a.xq + r * k, a.even + r * k / 2, a.odd + r * k / 2,
+                                 a.xscale + r * groups, a.xqsum + r * groups, a.xsum + r * groups);
     return a;
 }
 
-// The activation rounding of w4a8_mm alone, for its tests: x bf16 [M, K] -> (int8 [M, K], fp32 scale [M, K/group]).
-std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor &x, int64_t group_size) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && group_size > 0 && x.size(1) % group_size == 0,
-                "int4q_native::quantize_activations: x must be bf16 [M, K] with the group dividing K");
-    const int64_t m = x.size(0), groups = x.size(1) / group_size;
-    at::Tensor xq = at::empty({m, x.size(1)}, x.options().dtype(at::kChar));
+// The activation rounding alone, for the tests: x bf16 [M, K] -> (int8 [M, K], fp32 scale [M, K/group]), as
+// w4a8_mm rounds (split false) or as w4a8_rows does (split true, group_size % 32 == 0; codes in natural order).
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor &x, int64_t group_size, bool split) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && group_size > 0 && x.size(1) % group_size == 0 &&
+                    (!split || group_size % 32 == 0),
+                "int4q_native::quantize_activations: x must be bf16 [M, K] with the group dividing K (and a multiple "
+                "of 32 to split)");
+    const int64_t m = x.size(0), k = x.size(1), groups = k / group_size;
+    at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
     at::Tensor xscale = at::empty({m, groups}, x.options().dtype(at::kFloat));
-    std::vector<int32_t> xqsum(m * groups);
-    std::vector<float> xsum(m * groups);
-    quantize_rows(x, group_size, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data(), xsum.data());
+    if (!split) {
+        std::vector<int32_t> xqsum(m * groups);
+        std::vector<float> xsum(m * groups);
+        quantize_rows(x, group_size, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data(), xsum.data());
+        return {xq, xscale};
+    }
+    const RoundedRows a = round_rows(x, group_size, true);
+    int8_t *codes = xq.data_ptr<int8_t>();
+    for (int64_t i = 0; i < m * k / 2; i++) codes[2 * i] = a.even[i], codes[2 * i + 1] = a.odd[i];
+    std::copy(a.xscale, a.xscale + m * groups, xscale.data_ptr<float>());
     return {xq, xscale};
 }
 
@@ -155,7 +172,7 @@ TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
     m.def("w4a8_available() -> bool", &w4a8_available);
     m.def("w4a8_rows(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size) -> Tensor");
     m.def("w4a8_rows_available() -> bool", &w4a8_rows_available);
-    m.def("quantize_activations(Tensor x, int group_size) -> (Tensor, Tensor)");
+    m.def("quantize_activations(Tensor x, int group_size, bool split=False) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(int4q_native, CPU, m) {
     m.impl("w4a8_mm", w4a8_mm);
