@@ -88,8 +88,9 @@ AVX2 static void quantize_group_split(const uint16_t *x, int64_t group_size, int
 
 /* f[g - g0] = scale[g] * xscale[g] for groups [g0, g1) of one channel; returns the sum over them of
  * zero * xsum - 8 * f * xqsum (the terms that need no codes). */
-AVX2 static float channel_factors(const uint16_t *scale, const uint16_t *zero, const float *xscale,
-                                  const int32_t *xqsum, const float *xsum, int64_t g0, int64_t g1, float *f) {
+AVX2 static inline __attribute__((always_inline)) float channel_factors(
+    const uint16_t *scale, const uint16_t *zero, const float *xscale, const int32_t *xqsum, const float *xsum,
+    int64_t g0, int64_t g1, float *f) {
     __m256 bias = _mm256_setzero_ps();
     int64_t g = g0;
     for (; g + 8 <= g1; g += 8) {
