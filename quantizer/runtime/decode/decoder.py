@@ -247,7 +247,11 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
     ``attention``: :func:`attend` or :func:`attend_in_fp32`."""
     h = embed(token).to(torch.bfloat16)
     cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
+    length = keys[0].shape[2]
     for layer, layer_keys, layer_values in zip(layers, keys, values):
+        # traced, every cache view's length is then one size, not a symbol per view for each call to pass in
+        torch._check(layer_keys.shape[2] == length)
+        torch._check(layer_values.shape[2] == length)
         q, k, v = attention_inputs(layer, h, cos, sin)
         layer_keys[:, :, -1:].copy_(k)
         layer_values[:, :, -1:].copy_(v)
