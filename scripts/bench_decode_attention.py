@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_decode_attention.py <int4q folder> [--context 4 384] [--tokens 128]
         [--reps 5] [--threads 2]
 
-Both steps are compiled in this process (the fp32 one is what ``--decode int8`` runs; the bf16 one
-is transformers' attention, as exact decode runs it) and timed alternately: for each context
+Three steps are compiled in this process and timed alternately: bf16 attention (transformers',
+as exact decode runs it), fp32 attention through PyTorch on the widened cache, and fp32 attention
+through int4q's operator (what ``--decode int8`` runs where the library loads). For each context
 length, ``--reps`` rounds of ``--tokens`` single-token steps after a prompt of that many tokens.
 Prints each arm's tok/s per round and the medians.
 """
@@ -49,7 +50,8 @@ def main() -> None:
     model = load_model(args.model)
     arms = {}
     for name, attention, variant in (("bf16 attention", decoder.attend, ""),
-                                     ("fp32 attention", decoder.attend_in_fp32, "fp32-attention")):
+                                     ("fp32, PyTorch", decoder.attend_widened, "fp32-attention-pytorch"),
+                                     ("fp32, int4q", decoder.attend_in_fp32, "fp32-attention")):
         arm = decoder.FastDecoder(model, max(args.context) + args.tokens + 1)
         arm.attention, arm.variant = attention, variant
         compiled.compile_step(arm, compiled.artifact_path(model, variant))

@@ -12,6 +12,7 @@ from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime import load_model
 from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.cache import cache_dir
+from quantizer.runtime.native.attention import reference as attention_reference
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode.decoder import (
     FAST_MODEL_TYPES,
@@ -19,6 +20,7 @@ from quantizer.runtime.decode.decoder import (
     applies_the_same_rope,
     attend,
     attend_in_fp32,
+    attend_widened,
     decode_step,
     mark_exact_norms,
     unsupported_reason,
@@ -281,14 +283,6 @@ def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model)
     assert graphs and graphs[0].count("int4q_native.mean_square") == 2 * len(decoder.layers) + 1
 
 
-def float64_attention(q, k, v, scale):
-    """One query's grouped attention in float64: q [1, H, 1, d], k/v [1, Hkv, L, d] -> [1, 1, H*d]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    weights = (q.double() @ k.transpose(-1, -2) * scale).softmax(-1)
-    return (weights @ v).transpose(1, 2).reshape(1, 1, -1)
-
-
 @settings(max_examples=25, deadline=None)
 @given(kv_heads=st.integers(1, 4), group=st.sampled_from([1, 3]), head_dim=st.sampled_from([16, 64]),
        length=st.integers(1, 300), seed=st.integers(0, 2**16))
@@ -296,10 +290,11 @@ def test_int8_decodes_single_query_attention_in_fp32_rounded_once(kv_heads, grou
     gen = torch.Generator().manual_seed(seed)
     q = (torch.randn(1, kv_heads * group, 1, head_dim, generator=gen) * 2).bfloat16()
     k, v = ((torch.randn(1, kv_heads, length, head_dim, generator=gen) * 2).bfloat16() for _ in range(2))
-    want = float64_attention(q, k, v, head_dim ** -0.5)
-    got = attend_in_fp32(q, k, v, length - 1, head_dim ** -0.5)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all()
+    want = attention_reference(q, k, v, head_dim ** -0.5)
+    for attention in (attend_in_fp32, attend_widened):  # int4q's operator where it loads, and PyTorch's
+        got = attention(q, k, v, length - 1, head_dim ** -0.5)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * want.abs().max()).all()
     two_queries = q.expand(-1, -1, 2, -1)
     assert torch.equal(attend_in_fp32(two_queries, k, v, 0, 0.5), attend(two_queries, k, v, 0, 0.5))
 

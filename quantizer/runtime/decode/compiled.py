@@ -32,6 +32,7 @@ from ..cache import (
     runtime_source_digest,
     trusted_cache_dir,
 )
+from ..native.attention import has_attend_one
 from ..native.gemv import has_gemv, has_mean_square
 from ..nn.int4 import Int4Linear
 from .decoder import MIN_CACHE, FastDecoder, unsupported_reason
@@ -68,7 +69,7 @@ def artifact_path(model: torch.nn.Module, variant: str = "") -> Path:
     key = {"torch": torch.__version__, "transformers": transformers.__version__,
            "threads": torch.get_num_threads(), "config": model.config.to_dict(), "modules": repr(model),
            "machine": machine_identity(), "native_gemv": has_gemv(),
-           "native_mean_square": has_mean_square(),
+           "native_mean_square": has_mean_square(), "native_attention": has_attend_one(),
            "sources": runtime_source_digest(), "decoder": variant}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return compiled_dir() / f"{digest}.aot"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from ..native.attention import has_attend_one
 from ..native.dequant import shared_weight_buffer
 from ..native.gemv import has_mean_square
 from ..nn.fusion import Int4Slice
@@ -225,11 +226,20 @@ def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
 
 def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
     """:func:`attend` with one query (T = 1) computed in fp32 from the bf16 cache, the result
-    rounded to bf16 once; more queries go to :func:`attend`. Not bit-identical to it (bf16
-    attention rounds its probabilities to bf16), and several times faster where the CPU has no
-    bf16 dot products (README: CPUs without AVX-512)."""
+    rounded to bf16 once (int4q's operator where it is loaded, else PyTorch's attention on the
+    widened cache); more queries go to :func:`attend`. Not bit-identical to it (bf16 attention
+    rounds its probabilities to bf16), and several times faster where the CPU has no bf16 dot
+    products (README: CPUs without AVX-512)."""
     if q.shape[2] != 1:
         return attend(q, k, v, start, scale)
+    if has_attend_one():
+        return torch.ops.int4q_native.attend_one(q, k, v, scale)
+    return attend_widened(q, k, v, start, scale)
+
+
+def attend_widened(q, k, v, start: int, scale: float) -> torch.Tensor:
+    """:func:`attend` on q, k and v widened to fp32, the result rounded to bf16 once (PyTorch's
+    attention, where :func:`attend_in_fp32` has no operator)."""
     return attend(q.float(), k.float(), v.float(), start, scale).to(q.dtype)
 
 

@@ -1,7 +1,7 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
- * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c) to their operators (int4_ops.cpp,
- * gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp), and the vector paths they choose between at
- * run time. The sources may be compiled as C or as C++; the interface has C linkage either way. */
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, decode_attention.c) to their operators
+ * (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, attention_ops.cpp), and the vector
+ * paths they choose between at run time. The sources may be compiled as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
@@ -78,6 +78,11 @@ void int4q_quantize_row_split(const uint16_t *x, int64_t k, int64_t group_size, 
 void int4q_w4a8_rows(const int8_t *even, const int8_t *odd, const float *xscale, const int32_t *xqsum,
                      const float *xsum, int64_t m, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
                      uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
+
+int int4q_attend_vector(int64_t dim);
+void int4q_attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
+                      int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
+                      int64_t v_step, float scale, float *scratch, uint16_t *out, int64_t first, int64_t last);
 
 #define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
 #define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
