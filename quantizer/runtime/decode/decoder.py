@@ -259,7 +259,7 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
     cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
     length = keys[0].shape[2]
     for layer, layer_keys, layer_values in zip(layers, keys, values):
-        # traced, every cache view's length is then one size, not a symbol per view for each call to pass in
+        # one traced size for every view's length (else each view gets a size argument of its own, made per call)
         torch._check(layer_keys.shape[2] == length)
         torch._check(layer_values.shape[2] == length)
         q, k, v = attention_inputs(layer, h, cos, sin)

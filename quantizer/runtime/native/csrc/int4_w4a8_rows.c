@@ -72,8 +72,10 @@ AVX2 static void quantize_group_split(const uint16_t *x, int64_t group_size, int
         load_pairs(x + i, &e0, &o0);
         load_pairs(x + i + 16, &e1, &o1);
         /* nearest even, as rintf */
-        const __m256i qe0 = _mm256_cvtps_epi32(_mm256_mul_ps(e0, inv)), qo0 = _mm256_cvtps_epi32(_mm256_mul_ps(o0, inv));
-        const __m256i qe1 = _mm256_cvtps_epi32(_mm256_mul_ps(e1, inv)), qo1 = _mm256_cvtps_epi32(_mm256_mul_ps(o1, inv));
+        const __m256i qe0 = _mm256_cvtps_epi32(_mm256_mul_ps(e0, inv));
+        const __m256i qo0 = _mm256_cvtps_epi32(_mm256_mul_ps(o0, inv));
+        const __m256i qe1 = _mm256_cvtps_epi32(_mm256_mul_ps(e1, inv));
+        const __m256i qo1 = _mm256_cvtps_epi32(_mm256_mul_ps(o1, inv));
         store_codes(qe0, qe1, even + i / 2);
         store_codes(qo0, qo1, odd + i / 2);
         qsum = _mm256_add_epi32(qsum, _mm256_add_epi32(_mm256_add_epi32(qe0, qo0), _mm256_add_epi32(qe1, qo1)));

@@ -1,7 +1,8 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
  * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, decode_attention.c) to their operators
  * (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, attention_ops.cpp), and the vector
- * paths they choose between at run time. The sources may be compiled as C or as C++; the interface has C linkage either way. */
+ * paths they choose between at run time. The sources may be compiled as C or as C++; the interface
+ * has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
