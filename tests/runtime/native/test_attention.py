@@ -1,6 +1,8 @@
 """One query's fp32 attention over the bf16 cache (decode_attention.c as
 torch.ops.int4q_native.attend_one, quantizer.runtime.native.attention): the int8 decode step's attention."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,16 @@ def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch
     monkeypatch.setattr(torch.ops.int4q_native, "attend_one", lambda q, k, v, s: real(q, k, v, s) * 1.02)
     with pytest.raises(NativeUnavailable, match="off by more than rounding"):
         attention.self_test()
+
+
+def test_an_operator_failing_its_check_warns_once_and_leaves_pytorchs_attention(operator, monkeypatch, caplog):
+    monkeypatch.setattr(attention, "_choice", [])
+
+    def off():
+        raise NativeUnavailable("int4q_native::attend_one is off by more than rounding on this machine")
+
+    monkeypatch.setattr(attention, "self_test", off)
+    with caplog.at_level(logging.WARNING):
+        assert not any(attention.has_attend_one() for _ in range(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "PyTorch's fp32 attention" in warnings[0] and "\n" not in warnings[0]
