@@ -21,7 +21,8 @@ class Accumulator(Protocol):
         place over the processes."""
 
     def column_mean_square(self) -> tuple[torch.Tensor, int]:
-        """(each input column's mean x² [K] fp32, the number of input rows it is over)."""
+        """(each input column's mean x² [K] fp32 on the CPU, the number of input rows it is over):
+        a host-side record, written with the calibration state whatever device accumulated it."""
 
 
 class _Stop(Exception):

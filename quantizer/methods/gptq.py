@@ -84,8 +84,8 @@ class HessianAccumulator:
         self.n = total
 
     def column_mean_square(self) -> tuple[torch.Tensor, int]:
-        """(each input column's mean x² [K] fp32, the rows it is over): half H's diagonal."""
-        return self.H.diagonal() / 2, self.n
+        """(each input column's mean x² [K] fp32 on the CPU, the rows it is over): half H's diagonal."""
+        return (self.H.diagonal() / 2).cpu(), self.n
 
     def factor(self, damp: float, act_order: bool) -> "HessianFactor":
         """:func:`factorize` of this H, kept until H changes."""

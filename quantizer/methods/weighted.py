@@ -51,8 +51,8 @@ class BlockSecondMoment:
         return torch.diagonal(self.blocks, dim1=1, dim2=2).reshape(-1).contiguous()
 
     def column_mean_square(self) -> tuple[torch.Tensor, int]:
-        """(:attr:`value`, the rows it is over)."""
-        return self.value, self.n
+        """(:attr:`value` on the CPU, the rows it is over)."""
+        return self.value.cpu(), self.n
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import torch
 
 from quantizer.calibrate.ranks import Ranks
 from quantizer.calibrate.windows import CalibrationSettings
+from quantizer.formats.packing import unpack_nibbles
 from quantizer.io.checkpoint import CheckpointReader
 from quantizer.io.text import builtin_text
 from quantizer.quantize.calibrated import run_calibrated
@@ -22,7 +23,14 @@ def gptq_on(device, src, out, tokenizer):
     return report, CheckpointReader(out)
 
 
-def test_gptq_on_cuda_writes_the_cpu_runs_checkpoint_to_rounding(tiny_model_tok, byte_tokenizer, tmp_path):
+def codes(reader, name):
+    return unpack_nibbles(reader.get(name)).int()
+
+
+def test_gptq_on_cuda_writes_a_checkpoint_as_good_as_the_cpu_runs(tiny_model_tok, byte_tokenizer, tmp_path):
+    """The sums run in another order on the GPU; GPTQ's error feedback carries each difference into
+    later columns and later layers, so codes differ by one step here and there, and the objective
+    does not: the linears fed the same inputs (layer 0's first step) get the same codes."""
     cuda_report, cuda = gptq_on("cuda", tiny_model_tok, tmp_path / "cuda", byte_tokenizer)
     cpu_report, cpu = gptq_on("cpu", tiny_model_tok, tmp_path / "cpu", byte_tokenizer)
     assert cuda.infos.keys() == cpu.infos.keys()
@@ -31,6 +39,8 @@ def test_gptq_on_cuda_writes_the_cpu_runs_checkpoint_to_rounding(tiny_model_tok,
             cpu_loss = cpu_report.tensors[module]["gptq_loss"]
             assert entry["gptq_loss"] < entry["rtn_loss"]
             assert entry["gptq_loss"] == pytest.approx(cpu_loss, rel=0.05), module
-    packed = [n for n in cpu.infos if n.endswith("weight_packed")]
-    same = sum((cuda.get(n) == cpu.get(n)).float().mean().item() for n in packed) / len(packed)
-    assert same > 0.9
+    for name in (n for n in cpu.infos if n.endswith("weight_packed")):
+        step = (codes(cuda, name) - codes(cpu, name)).abs()
+        assert (step <= 1).float().mean() > 0.95, name
+        if name.startswith("model.layers.0.self_attn.") and not name.startswith("model.layers.0.self_attn.o_proj"):
+            assert (step == 0).float().mean() > 0.99, name
