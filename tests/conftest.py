@@ -162,6 +162,17 @@ def at_thread_counts(compute, counts=(1, 2, 3)) -> list:
         torch.set_num_threads(before)
 
 
+def assert_refused_off_by(monkeypatch, op: str, self_test, factor: float) -> None:
+    """With ``torch.ops.int4q_native.<op>`` patched to return its own result times ``factor``,
+    ``self_test()`` refuses the operator as off by more than rounding."""
+    from quantizer.runtime.native.build import NativeUnavailable
+
+    real = getattr(torch.ops.int4q_native, op)
+    monkeypatch.setattr(torch.ops.int4q_native, op, lambda *args: real(*args) * factor)
+    with pytest.raises(NativeUnavailable, match="off by more than rounding"):
+        self_test()
+
+
 def failing_compiler(directory: Path, name: str, *stderr: str) -> Path:
     """An executable ``directory/name`` that prints ``stderr`` lines and fails, as a broken compiler does."""
     import stat

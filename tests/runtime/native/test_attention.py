@@ -12,7 +12,7 @@ from quantizer.runtime.decode.decoder import attend_in_fp32
 from quantizer.runtime.native import attention
 from quantizer.runtime.native.build import NativeUnavailable
 
-from conftest import at_thread_counts
+from conftest import assert_refused_off_by, at_thread_counts
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,7 @@ def test_int8_decodes_one_query_through_the_operator(operator):
 
 
 def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch):
-    real = torch.ops.int4q_native.attend_one
-    monkeypatch.setattr(torch.ops.int4q_native, "attend_one", lambda q, k, v, s: real(q, k, v, s) * 1.02)
-    with pytest.raises(NativeUnavailable, match="off by more than rounding"):
-        attention.self_test()
+    assert_refused_off_by(monkeypatch, "attend_one", attention.self_test, 1.02)
 
 
 def test_an_operator_failing_its_check_warns_once_and_leaves_pytorchs_attention(operator, monkeypatch, caplog):

@@ -14,7 +14,7 @@ from quantizer.runtime.native.build import NativeUnavailable
 from quantizer.runtime.native.gemv import has_gemv, within_rounding
 from quantizer.runtime.nn.int4 import Int4Linear
 
-from conftest import at_thread_counts
+from conftest import assert_refused_off_by, at_thread_counts
 
 tinygemm = torch.ops.aten._weight_int4pack_mm_for_cpu
 PATHS = {"avx2": 2, "portable": 0}  # int4q_native.limit_level: vectors allowed, plain C
@@ -139,7 +139,4 @@ def test_an_operator_that_cannot_load_warns_once_and_decode_uses_tinygemm(fresh_
 
 
 def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch):
-    real = torch.ops.int4q_native.gemv_rows
-    monkeypatch.setattr(torch.ops.int4q_native, "gemv_rows", lambda x, p, s, z, g: real(x, p, s, z, g) * 1.05)
-    with pytest.raises(NativeUnavailable, match="off by more than rounding"):
-        gemv_rows.self_test()
+    assert_refused_off_by(monkeypatch, "gemv_rows", gemv_rows.self_test, 1.05)

@@ -12,7 +12,7 @@ from quantizer.runtime.native import w4a8
 from quantizer.runtime.native.build import NativeUnavailable
 from quantizer.runtime.native.library import ops
 
-from conftest import at_thread_counts, kernel_layout_problem
+from conftest import assert_refused_off_by, at_thread_counts, kernel_layout_problem
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +108,7 @@ def test_wrong_inputs_are_refused_with_a_message(operator):
 
 
 def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch):
-    real = torch.ops.int4q_native.w4a8_mm
-    monkeypatch.setattr(torch.ops.int4q_native, "w4a8_mm", lambda x, p, s, g: real(x, p, s, g) * 1.05)
-    with pytest.raises(NativeUnavailable, match="off by more than rounding"):
-        w4a8.self_test()
+    assert_refused_off_by(monkeypatch, "w4a8_mm", w4a8.self_test, 1.05)
 
 
 def test_a_cpu_without_the_instructions_warns_once_and_int8_is_not_used(fresh_choice, monkeypatch, caplog):

@@ -15,7 +15,7 @@ from quantizer.runtime.native.build import NativeUnavailable
 from quantizer.runtime.native.w4a8 import quantize_activations, reference, within_rounding
 from quantizer.runtime.nn.int4 import Int4Linear, int8_operator
 
-from conftest import at_thread_counts
+from conftest import assert_refused_off_by, at_thread_counts
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,4 @@ def test_where_int8_is_only_the_default_a_cpu_without_it_falls_back_silently(fre
 
 
 def test_an_operator_off_by_more_than_rounding_is_not_used(operator, monkeypatch):
-    real = torch.ops.int4q_native.w4a8_rows
-    monkeypatch.setattr(torch.ops.int4q_native, "w4a8_rows", lambda x, p, s, z, g: real(x, p, s, z, g) * 1.05)
-    with pytest.raises(NativeUnavailable, match="off by more than rounding"):
-        w4a8_rows.self_test()
+    assert_refused_off_by(monkeypatch, "w4a8_rows", w4a8_rows.self_test, 1.05)
