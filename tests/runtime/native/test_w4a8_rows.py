@@ -11,7 +11,6 @@ from quantizer.formats.packing import pack_nibbles
 from quantizer.runtime.activations import ENV
 from quantizer.runtime.cache import machine_identity
 from quantizer.runtime.native import w4a8_rows
-from quantizer.runtime.native.build import NativeUnavailable
 from quantizer.runtime.native.w4a8 import quantize_activations, reference, within_rounding
 from quantizer.runtime.nn.int4 import Int4Linear, int8_operator
 
