@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, group_sq_error, round_to_grid  # noqa: F401
+from .candidates import ERROR, WU, WUG, WUU, grid_scores
+from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .superblock import superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -186,9 +187,8 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
         return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
-    codes = round_to_grid(g, scale, zero, bits)
     if clip_search:
-        best_err = group_sq_error(g, codes, scale, zero, bits=bits)
+        best_err = grid_scores(g, scale, zero, bits=bits)[..., ERROR]
         for shrink in CLIP_SHRINKS[1:]:
             if symmetric:
                 s_lo, s_hi = lo * shrink, hi * shrink
@@ -196,13 +196,12 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
                 mid = (lo + hi) / 2
                 s_lo, s_hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
             s2, z2 = grid_params(s_lo, s_hi, symmetric, storage)
-            c2 = round_to_grid(g, s2, z2, bits)
-            err = group_sq_error(g, c2, s2, z2, bits=bits)
+            err = grid_scores(g, s2, z2, bits=bits)[..., ERROR]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             scale = torch.where(better, s2, scale)
             zero = torch.where(better, z2, zero)
-            codes = torch.where(better.unsqueeze(-1), c2, codes)
+    codes = round_to_grid(g, scale, zero, bits)
     return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
 
 
@@ -229,26 +228,29 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
         return scale, zero, round_to_grid(g, scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
-    best = group_sq_error(g, round_to_grid(g, scale, zero, bits), scale, zero, weights, bits)
+    best = grid_scores(g, scale, zero, weights, bits)[..., ERROR]
     mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
+    fixed = weights.sum(-1), (weights * g).sum(-1)  # sum(w), sum(w g): the same for every grid
     for shrink in WEIGHTED_SHRINKS:
         c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, storage)
-        c_codes = round_to_grid(g, c_scale, c_zero, bits)
-        refit = _least_squares_grid(g, c_codes, weights, symmetric, storage)
-        for c_scale, c_zero, c_codes in ((c_scale, c_zero, c_codes), (*refit, round_to_grid(g, *refit, bits))):
-            err = group_sq_error(g, c_codes, c_scale, c_zero, weights, bits)
+        scores = grid_scores(g, c_scale, c_zero, weights, bits)
+        refit = _least_squares_grid(scores, fixed, symmetric, storage)
+        for c_scale, c_zero, err in ((c_scale, c_zero, scores[..., ERROR]),
+                                     (*refit, grid_scores(g, *refit, weights, bits)[..., ERROR])):
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
     return scale, zero, round_to_grid(g, scale, zero, bits)
 
 
-def _least_squares_grid(g, codes, weights, symmetric: bool, storage: Storage):
-    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - mid) * scale + zero."""
+def _least_squares_grid(scores: torch.Tensor, fixed: tuple[torch.Tensor, torch.Tensor], symmetric: bool,
+                        storage: Storage):
+    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - mid) * scale + zero for
+    the codes a grid's ``scores`` (:func:`.candidates.grid_scores`) are of; ``fixed``: each group's
+    sum(w) and sum(w g)."""
     mid, qmax = code_range(storage.bits)
-    u = codes.to(torch.float32) - mid
-    sw, su, suu = weights.sum(-1), (weights * u).sum(-1), (weights * u * u).sum(-1)
-    sw_w, su_w = (weights * g).sum(-1), (weights * u * g).sum(-1)
+    su, suu, su_w = scores[..., WU], scores[..., WUU], scores[..., WUG]
+    sw, sw_w = fixed
     if symmetric:
         scale = su_w / suu.clamp(min=1e-30)
         return stored_symmetric(scale if storage.signed_scale else scale.clamp(min=0.0), storage)

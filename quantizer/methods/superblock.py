@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .codes import code_range, group_sq_error, round_to_grid
+from .candidates import ERROR, grid_scores
+from .codes import code_range
 
 SUPER_LEVELS = 63  # the asymmetric super-blocks' 6-bit levels
 SIGNED_LEVELS = (-128, 127)  # the symmetric super-blocks' 8-bit levels
@@ -54,10 +55,10 @@ def superblock_grids(scale: torch.Tensor, zero: torch.Tensor, storage, symmetric
     best_scale, best_zero = grid(0, 0)
     if g is None:
         return best_scale, best_zero
-    best = group_sq_error(g, round_to_grid(g, best_scale, best_zero, bits), best_scale, best_zero, weights, bits)
+    best = grid_scores(g, best_scale, best_zero, weights, bits)[..., ERROR]
     for ds, dm in moves[1:]:
         s, z = grid(ds, dm)
-        err = group_sq_error(g, round_to_grid(g, s, z, bits), s, z, weights, bits)
+        err = grid_scores(g, s, z, weights, bits)[..., ERROR]
         better = err < best
         best = torch.where(better, err, best)
         best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)

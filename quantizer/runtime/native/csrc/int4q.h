@@ -1,8 +1,8 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
- * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, decode_attention.c) to their operators
- * (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, attention_ops.cpp), and the vector
- * paths they choose between at run time. The sources may be compiled as C or as C++; the interface
- * has C linkage either way. */
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, decode_attention.c) to
+ * their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp,
+ * attention_ops.cpp), and the vector paths they choose between at run time. The sources may be
+ * compiled as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
 
@@ -98,6 +98,9 @@ void int4q_gptq_columns(float *w, const float *u, int64_t b, const float *scale,
 
 void int4q_refine_codes(int16_t *codes, const float *step, float *pull, const float *blocks, int64_t groups, int64_t b,
                         int64_t qmax, int64_t sweeps, int64_t r0, int64_t r1);
+
+void int4q_grid_scores(const float *x, const float *w, const float *scale, const float *zero, float *out,
+                       int64_t groups, int64_t group, int64_t first, int64_t last, int64_t top);
 
 int int4q_dequant_level(void);
 void int4q_dequant_int4pack(const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
