@@ -13,44 +13,40 @@ from quantizer.methods.candidates import ERROR, grid_scores, lane_sum, torch_sco
 from quantizer.methods.codes import code_range, grid_values, group_sq_error, round_to_grid
 
 
-def problem(rows, groups, group, seed, flat_groups=True):
+def problem(rows, groups, group, seed):
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(rows, groups, group, generator=gen) * torch.rand(rows, groups, 1, generator=gen)
     weights = torch.rand(groups, group, generator=gen) * (torch.rand(groups, group, generator=gen) > 0.2)
     scale = (torch.rand(rows, groups, generator=gen) - 0.2) * 0.3  # some negative (signed symmetric grids)
-    if flat_groups:
-        scale[torch.rand(rows, groups, generator=gen) < 0.1] = 0.0
+    scale[torch.rand(rows, groups, generator=gen) < 0.1] = 0.0
     zero = torch.randn(rows, groups, generator=gen) * 0.1
     return g, weights, scale, zero
+
+
+def native_and_torch_scores(g, weights, scale, zero, qmax):
+    """The scores the native kernel and torch's form write for one problem (skips without the library)."""
+    native = candidates.KERNEL.native()
+    if native is None:
+        pytest.skip("no native library here")
+    results = []
+    for kernel in (native, torch_scores):
+        out = torch.full((*scale.shape, 4), float("nan"))
+        kernel(g, weights, scale, zero, qmax, out)
+        results.append(out)
+    return results
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), groups=st.integers(1, 5), group=st.sampled_from([8, 16, 32, 64, 128]),
        bits=st.sampled_from([4, 5, 6]), seed=st.integers(0, 2**16))
 def test_the_native_scores_are_torchs_bits(rows, groups, group, bits, seed):
-    native = candidates.KERNEL.native()
-    if native is None:
-        pytest.skip("no native library here")
-    g, weights, scale, zero = problem(rows, groups, group, seed)
-    results = []
-    for kernel in (native, torch_scores):
-        out = torch.full((rows, groups, 4), float("nan"))
-        kernel(g, weights, scale, zero, code_range(bits)[1], out)
-        results.append(out)
-    assert torch.equal(results[0], results[1])
+    native, reference = native_and_torch_scores(*problem(rows, groups, group, seed), code_range(bits)[1])
+    assert torch.equal(native, reference)
 
 
 def test_groups_split_between_threads_mid_row_keep_their_weights():
-    native = candidates.KERNEL.native()
-    if native is None:
-        pytest.skip("no native library here")
-    g, weights, scale, zero = problem(1001, 3, 8, seed=5)  # 3003 groups: threads start mid-row
-    results = []
-    for kernel in (native, torch_scores):
-        out = torch.full((1001, 3, 4), float("nan"))
-        kernel(g, weights, scale, zero, 15, out)
-        results.append(out)
-    assert torch.equal(results[0], results[1])
+    native, reference = native_and_torch_scores(*problem(1001, 3, 8, seed=5), 15)  # 3003 groups: threads start mid-row
+    assert torch.equal(native, reference)
 
 
 @settings(max_examples=30, deadline=None)
