@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory import proc_status_mb, release_free_memory
+from .decode.generation import greedy_token
 
 
 @dataclass
@@ -75,7 +76,7 @@ def decode_tokens_per_s(model, n_tokens: int, decoder=None) -> float:
     logits = step(ids)
     start = time.perf_counter()
     for _ in range(n_tokens):
-        logits = step(logits.argmax(-1, keepdim=True))
+        logits = step(greedy_token(logits))
     return n_tokens / (time.perf_counter() - start)
 
 

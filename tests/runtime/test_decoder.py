@@ -32,6 +32,7 @@ from quantizer.runtime.decode.generation import (
     fast_greedy,
     generate_text,
     greedy_ids,
+    greedy_token,
 )
 
 
@@ -281,6 +282,16 @@ def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model)
         decoder.forward(torch.tensor([[3, 4]]))
         step(*decoder.step_arguments(torch.tensor([[5]]), 2, for_tracing=True))
     assert graphs and graphs[0].count("int4q_native.mean_square") == 2 * len(decoder.layers) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(1, 300), levels=st.integers(1, 20), nans=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_the_greedy_token_is_argmax_with_ties_and_nans(rows, vocab, levels, nans, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).bfloat16()  # few levels: many ties
+    logits.view(-1)[torch.randint(0, rows * vocab, (nans,), generator=gen)] = float("nan")
+    assert torch.equal(greedy_token(logits), logits.argmax(-1, keepdim=True))
 
 
 @settings(max_examples=25, deadline=None)

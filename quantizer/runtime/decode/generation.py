@@ -56,12 +56,19 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the largest of ``logits`` [..., V] as [..., 1] long: the first one where several
+    tie, a NaN counting as the largest, as ``argmax`` does; ``max`` finds it several times faster
+    on bf16 logits on the CPU."""
+    return logits.max(-1, keepdim=True).indices
+
+
 def fast_greedy(decoder, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> Iterator[int]:
     """Greedy token ids from a fresh :class:`FastDecoder` run, the EOS that ends it included."""
     decoder.reset()
     logits = decoder.forward(input_ids)
     for i in range(max_new_tokens):
-        token = int(logits.argmax(-1))
+        token = int(greedy_token(logits))
         yield token
         if token in eos or i == max_new_tokens - 1:
             return
