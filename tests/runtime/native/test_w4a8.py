@@ -155,3 +155,15 @@ def test_a_weight_the_kernel_cannot_read_is_not_taken(operator):
     _, int4pack, _, _ = kernel_layout_problem(1, 1, 2, 64, seed=13)
     assert w4a8.w4a8_usable(int4pack, 64) and not w4a8.w4a8_usable(int4pack, 6)
     assert not w4a8.w4a8_usable(int4pack[:32], 64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(2, 9), blocks=st.integers(1, 3), groups=st.integers(1, 4),
+       group_size=st.sampled_from([4, 12, 32, 64, 128]), seed=st.integers(0, 2**31 - 1), symmetric=st.booleans())
+def test_a_rows_output_is_the_same_alone_as_among_others_bit_for_bit(operator, rows, blocks, groups, group_size, seed,
+                                                                   symmetric):
+    """One row (decode) takes its own single-pass kernel; it must round as the multi-row tiles do."""
+    x, int4pack, sz, _ = kernel_layout_problem(rows, blocks, groups, group_size, seed, 0, symmetric)
+    together = operator(x, int4pack, sz, group_size)
+    for r in range(rows):
+        assert torch.equal(operator(x[r : r + 1], int4pack, sz, group_size), together[r : r + 1])
