@@ -114,10 +114,10 @@ def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], p
 
 
 def describe_path(decoder) -> str:
-    """Which decode path an arm runs: compiled, eager (fast decoder) or transformers."""
+    """Which decode path an arm runs: native, compiled, eager (fast decoder) or transformers."""
     if decoder is None:
         return "transformers"
-    return "compiled" if decoder.compiled else "eager"
+    return "native" if decoder.native else "compiled" if decoder.compiled else "eager"
 
 
 def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps: int, compile: bool = True,

@@ -35,7 +35,8 @@ from ..cache import (
 from ..native.attention import has_attend_one
 from ..native.gemv import has_gemv, has_mean_square
 from ..nn.int4 import Int4Linear
-from .decoder import MIN_CACHE, FastDecoder, unsupported_reason
+from .decoder import MIN_CACHE, FastDecoder, check_against_eager, unsupported_reason
+from .native_step import native_step
 from .static import StaticDecoder
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ INDUCTOR_OPTIONS = {
 
 _warned: set[str] = set()
 _steps: dict[Path, object] = {}  # checked compiled steps by artifact, shared by decoders of one model
-
-
-class StepMismatch(Exception):
-    """A compiled step's logits differ from the eager step's."""
 
 
 def compiled_dir() -> Path:
@@ -99,11 +96,15 @@ def new_decoder(model: torch.nn.Module, max_len: int) -> FastDecoder | StaticDec
 def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
                  source: Path | None = None) -> FastDecoder | StaticDecoder | None:
     """A ready decoder (see :func:`new_decoder`) for sequences of up to ``max_len`` tokens, or
-    None. With ``compile``, the compiled step: with the checkpoint folder ``source``, taken
+    None. Its single-token steps are native where :mod:`.native_step` covers the model (nothing to
+    compile); else, with ``compile``, the compiled step: with the checkpoint folder ``source``, taken
     between tokens once read or compiled in the background (see :mod:`.background`), so decoding
     starts at once; without, read or compiled now."""
     decoder = new_decoder(model, max_len)
-    if decoder is None or not compile:
+    if decoder is None:
+        return None
+    decoder.native = native_step(decoder)
+    if decoder.native is not None or not compile:
         return decoder
     try:
         artifact = artifact_path(model, decoder.variant)
@@ -172,7 +173,7 @@ def compile_step(decoder, artifact: Path | None) -> None:
                     expected_compile_seconds(decoder.layer_count))
         try:
             decoder.compiled = _aot_compile(decoder)
-            _check_against_eager(decoder)
+            check_against_eager(decoder)
         except Exception as e:
             decoder.compiled = None
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -192,7 +193,7 @@ def adopt_step(decoder, step, artifact: Path) -> bool:
     probe = decoder.probe()
     probe.compiled = step
     try:
-        _check_against_eager(probe)
+        check_against_eager(probe)
     except Exception as e:
         log.info("the saved step %s is unusable (%s)", artifact, e)
         return False
@@ -209,7 +210,7 @@ def _load_saved(decoder, artifact: Path) -> bool:
         return False
     try:
         decoder.compiled = load_step(artifact, decoder)
-        _check_against_eager(decoder)
+        check_against_eager(decoder)
     except Exception as e:  # a stale or mismatched file only costs a fresh compile
         log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
         decoder.compiled = None
@@ -245,27 +246,6 @@ def _save_step(step, artifact: Path) -> None:
         record_digest(artifact)
     except (OSError, RuntimeError) as e:
         log.info("cannot save the compiled step to %s: %s", artifact, e)
-
-
-def _check_against_eager(decoder) -> None:
-    """Raise StepMismatch unless one compiled step picks the eager step's token with logits
-    within bf16 rounding of it. Leaves the decoder reset."""
-    prompt, token = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
-    compiled = decoder.compiled
-    try:
-        results = []
-        for step in (compiled, None):
-            decoder.compiled = step
-            decoder.reset()
-            decoder.forward(prompt)
-            results.append(decoder.forward(token).float())
-    finally:
-        decoder.compiled = compiled
-        decoder.reset()
-    fast, eager = results
-    worst = (fast - eager).abs().max().item()
-    if not torch.equal(fast.argmax(-1), eager.argmax(-1)) or worst > 0.02 * eager.abs().max().item() + 1e-3:
-        raise StepMismatch(f"the compiled step's logits differ from eager by up to {worst:.3g}")
 
 
 def inductor_cache():

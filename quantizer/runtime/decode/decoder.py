@@ -116,37 +116,77 @@ def llama_rms_norm(module, h, mean_square):
     return module.weight * x.to(h.dtype)
 
 
+def is_llama_rms_norm(module) -> bool:
+    """Whether ``module``'s forward is LlamaRMSNorm's (:func:`llama_rms_norm`), bit for bit on a
+    seeded input."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not hasattr(module, "variance_epsilon") or weight.dim() != 1:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    h = (torch.randn(1, 3, weight.numel(), generator=gen) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        return torch.equal(module(h), llama_rms_norm(module, h, lambda x: x.pow(2).mean(-1, keepdim=True)))
+
+
 def mark_exact_norms(layers, norm) -> int:
-    """Mark the norms whose forward is LlamaRMSNorm's (checked on a seeded input) to take their
-    variance from the opaque ``int4q_native.mean_square`` when compiled (see :func:`rms_norm`);
-    only where int4q's operators are loaded. Returns how many were marked."""
+    """Mark the norms that are LlamaRMSNorm (:func:`is_llama_rms_norm`) to take their variance from
+    the opaque ``int4q_native.mean_square`` when compiled (see :func:`rms_norm`); only where
+    int4q's operators are loaded. Returns how many were marked."""
     if not has_mean_square():
         return 0
-    marked, gen = 0, torch.Generator().manual_seed(0)
+    marked = 0
     for module in (*layers.modules(), norm):
-        weight = getattr(module, "weight", None)
-        if weight is None or not hasattr(module, "variance_epsilon") or weight.dim() != 1:
-            continue
-        h = (torch.randn(1, 3, weight.numel(), generator=gen) * 3).to(torch.bfloat16)
-        with torch.inference_mode():
-            same = torch.equal(module(h), llama_rms_norm(module, h, lambda x: x.pow(2).mean(-1, keepdim=True)))
-        module.exact_mean_square = same
-        marked += same
+        if getattr(module, "weight", None) is not None and hasattr(module, "variance_epsilon"):
+            module.exact_mean_square = is_llama_rms_norm(module)
+            marked += module.exact_mean_square
     return marked
+
+
+class StepMismatch(Exception):
+    """A compiled or native step's logits differ from the eager step's."""
+
+
+def check_against_eager(decoder, attribute: str = "compiled") -> None:
+    """Raise StepMismatch unless one step through the decoder's ``attribute`` (``compiled`` or
+    ``native``) picks the eager step's token with logits within bf16 rounding of it. Leaves the
+    decoder reset."""
+    prompt, token = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
+    fast_step = getattr(decoder, attribute)
+    try:
+        results = []
+        for step in (fast_step, None):
+            setattr(decoder, attribute, step)
+            decoder.reset()
+            decoder.forward(prompt)
+            results.append(decoder.forward(token).float())
+    finally:
+        setattr(decoder, attribute, fast_step)
+        decoder.reset()
+    fast, eager = results
+    worst = (fast - eager).abs().max().item()
+    if not torch.equal(fast.argmax(-1), eager.argmax(-1)) or worst > 0.02 * eager.abs().max().item() + 1e-3:
+        raise StepMismatch(f"the {attribute} step's logits differ from eager by up to {worst:.3g}")
 
 
 class SteppedDecoder:
     """What both decoders share: ``forward(ids)`` appends ``ids`` [1, T] and returns the last
     position's logits [1, V], a single token through ``compiled`` (a compiled step of
     ``step_function``) where there is one, asking ``pending`` for it first; else
-    :meth:`eager_forward`. Subclasses set ``model``, ``max_len``, ``position``, ``compiled``,
-    ``pending`` and ``step_arguments``."""
+    :meth:`eager_forward`; or through ``native`` (``native(token, position)``, see
+    :mod:`.native_step`) where that is set. Subclasses set ``model``, ``max_len``, ``position``,
+    ``compiled``, ``pending`` and ``step_arguments``."""
+
+    native = None
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         start, t = self.position, ids.shape[1]
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
+        if t == 1 and start and self.native is not None:
+            logits = self.native(ids, start)
+            self.position += 1
+            return logits
         if t == 1 and self.pending is not None:
             self.compiled = self.pending.poll() or self.compiled
             self.pending = None if self.pending.finished else self.pending

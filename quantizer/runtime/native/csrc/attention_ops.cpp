@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "int4q.h"
+#include "shared_ops.h"
 
 namespace {
 
@@ -28,16 +29,10 @@ at::Tensor attend_one(const at::Tensor &q, const at::Tensor &k, const at::Tensor
                 "and D contiguous; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
     const at::Tensor qc = q.contiguous();
     at::Tensor out = at::empty({1, 1, heads * dim}, q.options());
-    const auto *qs = reinterpret_cast<const uint16_t *>(qc.data_ptr());
-    const auto *ks = reinterpret_cast<const uint16_t *>(k.data_ptr());
-    const auto *vs = reinterpret_cast<const uint16_t *>(v.data_ptr());
-    auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
-    const int64_t grain = std::max<int64_t>(1, kTaskProducts / (2 * length * dim));
-    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
-        std::vector<float> scratch(length + 2 * dim);
-        int4q_attend_one(qs, ks, vs, heads, kv_heads, length, dim, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-                         static_cast<float>(scale), scratch.data(), dst, first, last);
-    });
+    int4q::attend_one(reinterpret_cast<const uint16_t *>(qc.data_ptr()), reinterpret_cast<const uint16_t *>(k.data_ptr()),
+                      reinterpret_cast<const uint16_t *>(v.data_ptr()), heads, kv_heads, length, dim, k.stride(1),
+                      k.stride(2), v.stride(1), v.stride(2), static_cast<float>(scale),
+                      reinterpret_cast<uint16_t *>(out.data_ptr()));
     return out;
 }
 
@@ -46,6 +41,17 @@ at::Tensor attend_one_meta(const at::Tensor &q, const at::Tensor &, const at::Te
 }
 
 }  // namespace
+
+void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
+                       int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
+                       int64_t v_step, float scale, uint16_t *out) {
+    const int64_t grain = std::max<int64_t>(1, kTaskProducts / (2 * length * dim));
+    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
+        std::vector<float> scratch(length + 2 * dim);
+        int4q_attend_one(q, k, v, heads, kv_heads, length, dim, k_head_step, k_step, v_head_step, v_step, scale,
+                         scratch.data(), out, first, last);
+    });
+}
 
 TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
     m.def("attend_one(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");

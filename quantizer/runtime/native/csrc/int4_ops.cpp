@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "int4q.h"
+#include "shared_ops.h"
 
 
 #ifndef INT4Q_SOURCE_DIGEST
@@ -119,34 +120,6 @@ void add_lanes(Lanes &acc, const Lanes &more) {
 
 int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1)); }
 
-float sum_of_squares(const float *x, int64_t n) {
-    const int64_t vectors = n / kLanes, size = vectors / kIlp;
-    const int64_t power = std::max<int64_t>(4, ceil_log2(size) / kLevels), step = int64_t(1) << power;
-    Lanes acc[kLevels][kIlp] = {};
-    int64_t i = 0;
-    while (i + step <= size) {
-        for (int64_t j = 0; j < step; ++j, ++i)
-            for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
-        for (int level = 1; level < kLevels; ++level) {
-            for (int k = 0; k < kIlp; ++k) {
-                add_lanes(acc[level][k], acc[level - 1][k]);
-                acc[level - 1][k] = Lanes{};
-            }
-            if ((i & ((step - 1) << (level * power))) != 0) break;
-        }
-    }
-    for (; i < size; ++i)
-        for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
-    for (int level = 1; level < kLevels; ++level)
-        for (int k = 0; k < kIlp; ++k) add_lanes(acc[0][k], acc[level][k]);
-    for (int64_t v = size * kIlp; v < vectors; ++v) add_squares(acc[0][0], x + v * kLanes);
-    for (int k = 1; k < kIlp; ++k) add_lanes(acc[0][0], acc[0][k]);
-    float sum = 0;
-    for (int64_t e = vectors * kLanes; e < n; ++e) sum += x[e] * x[e];
-    for (int l = 0; l < kLanes; ++l) sum += acc[0][0][l];
-    return sum;
-}
-
 // The mean of squares over the last dimension with keepdim: RMSNorm's variance, summed in eager's
 // order so that a compiled step rounds it as eager does. Without ATen's per-call set-up (about
 // 15 us for pow and mean at decode's sizes) where its order is reproduced, else by ATen itself.
@@ -160,7 +133,7 @@ at::Tensor mean_square(const at::Tensor &x) {
     const int64_t n = x.size(-1), rows = x.numel() / n;
     const float *in = x.data_ptr<float>();
     float *result = out.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) result[r] = sum_of_squares(in + r * n, n) / static_cast<float>(n);
+    for (int64_t r = 0; r < rows; ++r) result[r] = int4q::sum_of_squares(in + r * n, n) / static_cast<float>(n);
     return out;
 }
 
@@ -250,6 +223,34 @@ at::Tensor gemv_meta(const at::Tensor &x, const at::Tensor &int4pack, const at::
 }
 
 }  // namespace
+
+float int4q::sum_of_squares(const float *x, int64_t n) {
+    const int64_t vectors = n / kLanes, size = vectors / kIlp;
+    const int64_t power = std::max<int64_t>(4, ceil_log2(size) / kLevels), step = int64_t(1) << power;
+    Lanes acc[kLevels][kIlp] = {};
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
+        for (int level = 1; level < kLevels; ++level) {
+            for (int k = 0; k < kIlp; ++k) {
+                add_lanes(acc[level][k], acc[level - 1][k]);
+                acc[level - 1][k] = Lanes{};
+            }
+            if ((i & ((step - 1) << (level * power))) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int k = 0; k < kIlp; ++k) add_squares(acc[0][k], x + (i * kIlp + k) * kLanes);
+    for (int level = 1; level < kLevels; ++level)
+        for (int k = 0; k < kIlp; ++k) add_lanes(acc[0][k], acc[level][k]);
+    for (int64_t v = size * kIlp; v < vectors; ++v) add_squares(acc[0][0], x + v * kLanes);
+    for (int k = 1; k < kIlp; ++k) add_lanes(acc[0][0], acc[0][k]);
+    float sum = 0;
+    for (int64_t e = vectors * kLanes; e < n; ++e) sum += x[e] * x[e];
+    for (int l = 0; l < kLanes; ++l) sum += acc[0][0][l];
+    return sum;
+}
 
 TORCH_LIBRARY(int4q_native, m) {
     m.def("gemv(Tensor x, Tensor int4pack, Tensor sz, int group_size) -> Tensor");

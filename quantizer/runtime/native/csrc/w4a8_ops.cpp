@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "int4q.h"
+#include "shared_ops.h"
 
 namespace {
 
@@ -20,16 +21,17 @@ constexpr int64_t kChannelGrain = 64;  // output channels per task of w4a8_rows,
 
 // Each row of x bf16 [M, K] rounded to int8 per group (int4_w4a8.c): xq [M, K], and per (row, group) the
 // scale, the sum of xq and the fp32 sum of x, each [M, K / group_size].
-void quantize_rows(const at::Tensor &x, int64_t group_size, int8_t *xq, float *xscale, int32_t *xqsum, float *xsum) {
-    const at::Tensor xc = x.contiguous();
-    const int64_t m = x.size(0), k = x.size(1), groups = k / group_size;
-    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
+void quantize_rows(const uint16_t *xs, int64_t m, int64_t k, int64_t group_size, int8_t *xq, float *xscale,
+                   int32_t *xqsum, float *xsum) {
+    const int64_t groups = k / group_size;
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
         for (int64_t r = first; r < last; r++)
             int4q_quantize_row(xs + r * k, k, group_size, xq + r * k, xscale + r * groups, xqsum + r * groups,
                                xsum + r * groups);
     });
 }
+
+const uint16_t *bf16_data(const at::Tensor &x) { return reinterpret_cast<const uint16_t *>(x.data_ptr()); }
 
 // Rows of x rounded as quantize_rows rounds them, in the calling thread's buffers (kept between
 // calls: a decode step makes a hundred); the workers see them through these pointers (a
@@ -41,8 +43,8 @@ struct RoundedRows {
     int32_t *xqsum;
 };
 
-RoundedRows round_rows(const at::Tensor &x, int64_t group_size, bool split) {
-    const int64_t m = x.size(0), k = x.size(1), groups = k / group_size;
+RoundedRows round_rows(const uint16_t *xs, int64_t m, int64_t k, int64_t group_size, bool split) {
+    const int64_t groups = k / group_size;
     thread_local std::vector<int8_t> xq_buffer, split_buffer;
     thread_local std::vector<float> xscale_buffer, xsum_buffer;
     thread_local std::vector<int32_t> xqsum_buffer;
@@ -51,11 +53,9 @@ RoundedRows round_rows(const at::Tensor &x, int64_t group_size, bool split) {
     RoundedRows a{xq_buffer.data(), split_buffer.data(), split_buffer.data() + m * k / 2, xscale_buffer.data(),
                   xsum_buffer.data(), xqsum_buffer.data()};
     if (!split) {
-        quantize_rows(x, group_size, a.xq, a.xscale, a.xqsum, a.xsum);
+        quantize_rows(xs, m, k, group_size, a.xq, a.xscale, a.xqsum, a.xsum);
         return a;
     }
-    const at::Tensor xc = x.contiguous();
-    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
     for (int64_t r = 0; r < m; r++)
         int4q_quantize_row_split(xs + r * k, k, group_size, a.xq + r * k, a.even + r * k / 2, a.odd + r * k / 2,
                                  a.xscale + r * groups, a.xqsum + r * groups, a.xsum + r * groups);
@@ -70,15 +70,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor &x, int
                 "int4q_native::quantize_activations: x must be bf16 [M, K] with the group dividing K (and a multiple "
                 "of 32 to split)");
     const int64_t m = x.size(0), k = x.size(1), groups = k / group_size;
+    const at::Tensor xc = x.contiguous();
     at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
     at::Tensor xscale = at::empty({m, groups}, x.options().dtype(at::kFloat));
     if (!split) {
         std::vector<int32_t> xqsum(m * groups);
         std::vector<float> xsum(m * groups);
-        quantize_rows(x, group_size, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data(), xsum.data());
+        quantize_rows(bf16_data(xc), m, k, group_size, xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xqsum.data(),
+                      xsum.data());
         return {xq, xscale};
     }
-    const RoundedRows a = round_rows(x, group_size, true);
+    const RoundedRows a = round_rows(bf16_data(xc), m, k, group_size, true);
     int8_t *codes = xq.data_ptr<int8_t>();
     for (int64_t i = 0; i < m * k / 2; i++) codes[2 * i] = a.even[i], codes[2 * i + 1] = a.odd[i];
     std::copy(a.xscale, a.xscale + m * groups, xscale.data_ptr<float>());
@@ -97,23 +99,12 @@ at::Tensor w4a8_mm(const at::Tensor &x, const at::Tensor &int4pack, const at::Te
     TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == k / group_size &&
                     sz.size(1) == n && sz.size(2) == 2,
                 "int4q_native::w4a8_mm: sz must be bf16 [K/group, N, 2], got ", sz.sizes());
-    const int64_t m = x.size(0), groups = k / group_size;
+    const int64_t m = x.size(0);
     at::Tensor out = at::empty({m, n}, x.options());
     if (m == 0) return out;
-    const at::Tensor packc = int4pack.contiguous(), szc = sz.contiguous();
-    const RoundedRows a = round_rows(x, group_size, false);
-    const uint8_t *pack = packc.data_ptr<uint8_t>();
-    const auto *params = reinterpret_cast<const uint16_t *>(szc.data_ptr());
-    auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
-    // tasks: (block, chunk of rows), a block's chunks consecutive so that its weights stay cached
-    const int64_t blocks = n / kBlock, chunks = (m + kRowChunk - 1) / kRowChunk;
-    at::parallel_for(0, blocks * chunks, 1, [&](int64_t first, int64_t last) {
-        for (int64_t t = first; t < last; t++) {
-            const int64_t b = t / chunks, r0 = t % chunks * kRowChunk, rows = std::min(kRowChunk, m - r0);
-            int4q_w4a8_blocks(a.xq + r0 * k, a.xscale + r0 * groups, a.xqsum + r0 * groups, a.xsum + r0 * groups, rows,
-                              pack, params, dst + r0 * n, n, k, group_size, b, b + 1);
-        }
-    });
+    const at::Tensor xc = x.contiguous(), packc = int4pack.contiguous(), szc = sz.contiguous();
+    int4q::w4a8_matmul(bf16_data(xc), m, k, packc.data_ptr<uint8_t>(), bf16_data(szc), n, group_size,
+                       reinterpret_cast<uint16_t *>(out.data_ptr()));
     return out;
 }
 
@@ -138,7 +129,8 @@ at::Tensor w4a8_rows(const at::Tensor &x, const at::Tensor &packed, const at::Te
     at::Tensor out = at::empty({m, n}, x.options());
     if (m == 0) return out;
     const at::Tensor pc = packed.contiguous(), sc = scale.contiguous(), zc = zero.contiguous();
-    const RoundedRows a = round_rows(x, group_size, true);
+    const at::Tensor xc = x.contiguous();
+    const RoundedRows a = round_rows(bf16_data(xc), m, k, group_size, true);
     const uint8_t *weights = pc.data_ptr<uint8_t>();
     const auto *s = reinterpret_cast<const uint16_t *>(sc.data_ptr());
     const auto *z = reinterpret_cast<const uint16_t *>(zc.data_ptr());
@@ -166,6 +158,21 @@ at::Tensor w4a8_rows_meta(const at::Tensor &x, const at::Tensor &packed, const a
 bool w4a8_rows_available() { return int4q_w4a8_rows_available() != 0; }
 
 }  // namespace
+
+void int4q::w4a8_matmul(const uint16_t *x, int64_t m, int64_t k, const uint8_t *pack, const uint16_t *sz, int64_t n,
+                        int64_t group_size, uint16_t *out) {
+    const int64_t groups = k / group_size;
+    const RoundedRows a = round_rows(x, m, k, group_size, false);
+    // tasks: (block, chunk of rows), a block's chunks consecutive so that its weights stay cached
+    const int64_t blocks = n / kBlock, chunks = (m + kRowChunk - 1) / kRowChunk;
+    at::parallel_for(0, blocks * chunks, 1, [&](int64_t first, int64_t last) {
+        for (int64_t t = first; t < last; t++) {
+            const int64_t b = t / chunks, r0 = t % chunks * kRowChunk, rows = std::min(kRowChunk, m - r0);
+            int4q_w4a8_blocks(a.xq + r0 * k, a.xscale + r0 * groups, a.xqsum + r0 * groups, a.xsum + r0 * groups, rows,
+                              pack, sz, out + r0 * n, n, k, group_size, b, b + 1);
+        }
+    });
+}
 
 TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
     m.def("w4a8_mm(Tensor x, Tensor int4pack, Tensor sz, int group_size) -> Tensor");

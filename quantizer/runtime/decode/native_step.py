@@ -1,0 +1,135 @@
+"""The single-token step as one native call: ``torch.classes.int4q_native.DecodePlan``
+(``csrc/decode_plan.cpp``) runs a :class:`.decoder.FastDecoder`'s whole decoder stack, from the
+embedded token to the final norm, where every layer is what that plan computes: Llama's RMSNorms,
+fused q/k/v and gate/up linears that multiply int8 activations through ``w4a8_mm``, a SiLU MLP,
+and the fp32 single-query attention of ``attend_one``. The embedding and the head stay the
+model's own modules (any kind of table or head).
+
+Nothing is traced or compiled, so such a model decodes at full speed from its first token. The plan
+rounds where the eager int8 step rounds and is checked against it before use, like a compiled step;
+models it does not cover take the compiled step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..native.attention import has_attend_one
+from ..native.build import NativeUnavailable
+from ..native.library import ops
+from ..nn.fusion import Int4Slice
+from ..nn.int4 import Int4Linear, int8_operator
+from .decoder import FastDecoder, StepMismatch, attend_in_fp32, check_against_eager, is_llama_rms_norm
+
+log = logging.getLogger(__name__)
+
+NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)
+"""An absent norm or bias, as the plan takes it."""
+
+
+class NotCovered(Exception):
+    """The plan does not compute this model's step; the message says which part differs."""
+
+
+def _w4a8_linear(linear) -> Int4Linear:
+    """The Int4Linear that a one-row input multiplies through ``w4a8_mm``, else NotCovered."""
+    if type(linear) is not Int4Linear:
+        raise NotCovered(f"a {type(linear).__name__} is not a 4-bit linear")
+    operator = int8_operator(1, linear.threshold, linear.int8_decode, linear.int8_prefill, linear.int4pack,
+                             linear.group_size, linear.packed)
+    if operator != "w4a8_mm":
+        raise NotCovered("a linear does not decode with int8 activations in the kernel layout")
+    return linear
+
+
+def _fused(parent, fused_name: str, names: tuple[str, ...]) -> Int4Linear:
+    """The one linear computing ``names`` in order: ``fused_name`` itself, or their shared group."""
+    if hasattr(parent, fused_name):
+        return _w4a8_linear(getattr(parent, fused_name))
+    members = [getattr(parent, n, None) for n in names]
+    group = getattr(members[0], "group", None)
+    if not all(isinstance(m, Int4Slice) and m.group is group and m.index == i for i, m in enumerate(members)):
+        raise NotCovered(f"{', '.join(names)} are not one fused group")
+    return _w4a8_linear(group.linear)
+
+
+def _linear_tensors(linear: Int4Linear) -> list[torch.Tensor]:
+    bias = NO_TENSOR if linear.bias is None else linear.bias.contiguous()
+    return [linear.int4pack.contiguous(), linear.sz.contiguous(), bias]
+
+
+def _norm(module) -> tuple[torch.Tensor, float]:
+    if module is None:
+        return NO_TENSOR, 0.0
+    if not is_llama_rms_norm(module):
+        raise NotCovered(f"{type(module).__name__} is not Llama's RMSNorm")
+    return module.weight.detach().to(torch.bfloat16).contiguous(), float(module.variance_epsilon)
+
+
+def _silu_mlp(mlp) -> tuple[Int4Linear, Int4Linear]:
+    """(gate_up, down) of a SiLU-gated MLP: Llama's gate/up/down or Phi-3's gate_up/down."""
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    sample = (torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    if act is None or not torch.equal(act(sample), F.silu(sample)):
+        raise NotCovered("the MLP's activation is not SiLU")
+    return _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj")), _w4a8_linear(mlp.down_proj)
+
+
+def _layer_arguments(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list, list]:
+    attn = layer.self_attn
+    norms = [_norm(layer.input_layernorm), _norm(getattr(attn, "q_norm", None)),
+             _norm(getattr(attn, "k_norm", None)), _norm(layer.post_attention_layernorm)]
+    linears = [_fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), _w4a8_linear(attn.o_proj),
+               *_silu_mlp(layer.mlp)]
+    tensors = [n[0] for n in norms] + [t for lin in linears for t in _linear_tensors(lin)] + [keys, values]
+    return tensors, [n[1] for n in norms], [lin.group_size for lin in linears]
+
+
+def build_plan(decoder: FastDecoder):
+    """The DecodePlan of ``decoder``'s stack over its caches; NotCovered says why there is none."""
+    if decoder.attention is not attend_in_fp32 or not has_attend_one():
+        raise NotCovered("its single-token attention is not attend_one's")
+    attn, config = decoder.layers[0].self_attn, decoder.model.config.get_text_config()
+    weight, eps = _norm(decoder.norm)
+    plan = torch.classes.int4q_native.DecodePlan(
+        config.num_attention_heads, config.num_key_value_heads, attn.head_dim, weight.numel(), float(decoder.scale),
+        decoder.cos.contiguous(), decoder.sin.contiguous(), weight, eps)
+    for layer, keys, values in zip(decoder.layers, decoder.keys, decoder.values):
+        plan.add_layer(*_layer_arguments(layer, keys, values))
+    return plan
+
+
+class NativeStep:
+    """``step(token, position)`` -> logits [1, V]: the decoder's embedding, its plan, its head."""
+
+    def __init__(self, decoder: FastDecoder):
+        self.plan = build_plan(decoder)
+        self.embed, self.head = decoder.embed, decoder.head
+
+    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        h = self.embed(token).to(torch.bfloat16)
+        return self.head(self.plan.step(h.view(1, -1), position))[:, 0]
+
+
+def native_step(decoder) -> NativeStep | None:
+    """The decoder's native step, checked against its eager step; None (logged) where the plan
+    does not cover its model, the library cannot be loaded, the CPU lacks the int8 kernel, or the
+    step differs from eager."""
+    if not isinstance(decoder, FastDecoder):
+        return None
+    try:
+        ops()
+        decoder.native = NativeStep(decoder)
+        check_against_eager(decoder, "native")
+        return decoder.native
+    except NotCovered as e:
+        decoder.native = None
+        log.info("no native decode step: %s", e)
+    except (NativeUnavailable, StepMismatch, RuntimeError) as e:
+        decoder.native = None
+        log.warning("decoding without the native step (slower): %s", str(e).splitlines()[0] if str(e) else
+                    type(e).__name__)
+    return None

@@ -1,0 +1,230 @@
+// torch.classes.int4q_native.DecodePlan: the single-token step of a Llama-shaped decoder stack with
+// int8 activations in one call (decode/native_step.py builds it from the model). Per layer: RMSNorm,
+// the fused q/k/v linear (+ bias), the optional q/k RMSNorms per head, the rotary embedding, the KV
+// cache write, attend_one, the output linear and residual, RMSNorm, the fused gate/up linear, SiLU(gate)
+// times up, the down linear and residual; then the final RMSNorm. Each bf16 intermediate is rounded
+// where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm and the
+// attention attend_one themselves. A plan serves one thread at a time (its buffers are its own).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "int4q.h"
+#include "shared_ops.h"
+
+namespace {
+
+using Bf16 = uint16_t;
+
+float widen(Bf16 h) { return int4q_bf16_to_float(h); }
+Bf16 narrow(float f) { return int4q_float_to_bf16(f); }
+const Bf16 *bf16_of(const at::Tensor &t) { return reinterpret_cast<const Bf16 *>(t.data_ptr()); }
+bool given(const at::Tensor &t) { return t.defined() && t.numel() > 0; }
+
+void check_bf16(const at::Tensor &t, std::vector<int64_t> sizes, const char *what) {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.sizes() == at::IntArrayRef(sizes),
+                "DecodePlan: ", what, " must be contiguous bf16 ", at::IntArrayRef(sizes), ", got ", t.sizes());
+}
+
+// Llama's RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x widened to fp32.
+struct Norm {
+    at::Tensor weight;
+    float eps = 0;
+
+    void apply(const Bf16 *x, int64_t n, Bf16 *out, std::vector<float> &scratch) const {
+        scratch.resize(n);
+        for (int64_t i = 0; i < n; i++) scratch[i] = widen(x[i]);
+        const float variance = int4q::sum_of_squares(scratch.data(), n) / static_cast<float>(n);
+        const float inverse = 1.0f / std::sqrt(variance + eps);
+        const Bf16 *w = bf16_of(weight);
+        for (int64_t i = 0; i < n; i++) out[i] = narrow(widen(w[i]) * widen(narrow(scratch[i] * inverse)));
+    }
+};
+
+// A 4-bit linear in the kernel layout, multiplied by w4a8_mm: out = x W^T (+ bias, a separate bf16 add).
+struct Linear {
+    at::Tensor pack, sz, bias;
+    int64_t n = 0, k = 0, group = 0;
+
+    void check(int64_t rows, int64_t cols, const char *what) const {
+        TORCH_CHECK(pack.scalar_type() == at::kByte && pack.is_contiguous() && pack.dim() == 2 && pack.size(0) == rows &&
+                        pack.size(1) * 2 == cols && rows % 64 == 0 && group > 0 && group % 4 == 0 && cols % group == 0,
+                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2,
+                    "] with a group of a multiple of 4 dividing ", cols, ", got ", pack.sizes(), " and group ", group);
+        check_bf16(sz, {cols / group, rows, 2}, "a weight's sz");
+        if (given(bias)) check_bf16(bias, {rows}, "a bias");
+    }
+
+    void apply(const Bf16 *x, Bf16 *out) const {
+        int4q::w4a8_matmul(x, 1, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
+        if (!given(bias)) return;
+        const Bf16 *b = bf16_of(bias);
+        for (int64_t i = 0; i < n; i++) out[i] = narrow(widen(out[i]) + widen(b[i]));
+    }
+};
+
+struct Layer {
+    Norm input, q_norm, k_norm, post;
+    Linear qkv, o, gate_up, down;
+    at::Tensor keys, values;  // bf16 [1, kv_heads, positions, head_dim], head_dim contiguous
+};
+
+// x[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i] for i < rotary (each product and the sum rounded to bf16).
+void rotate(Bf16 *x, const Bf16 *cos, const Bf16 *sin, int64_t rotary) {
+    const int64_t half = rotary / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = widen(x[i]), b = widen(x[i + half]);
+        const float lo = widen(narrow(a * widen(cos[i]))) + widen(narrow(-b * widen(sin[i])));
+        const float hi = widen(narrow(b * widen(cos[i + half]))) + widen(narrow(a * widen(sin[i + half])));
+        x[i] = narrow(lo), x[i + half] = narrow(hi);
+    }
+}
+
+class DecodePlan : public torch::CustomClassHolder {
+  public:
+    // heads, kv_heads, head_dim and hidden size; attention scale; cos and sin bf16 [1, positions, rotary]; the
+    // final norm's weight bf16 [hidden] and epsilon.
+    DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double scale, at::Tensor cos,
+               at::Tensor sin, at::Tensor norm_weight, double norm_eps)
+        : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), scale_(static_cast<float>(scale)),
+          cos_(std::move(cos)), sin_(std::move(sin)), final_{std::move(norm_weight), static_cast<float>(norm_eps)} {
+        TORCH_CHECK(int4q_w4a8_available(), "DecodePlan: this CPU lacks AVX-512 VBMI and VNNI");
+        TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && hidden > 0,
+                    "DecodePlan: heads must be a positive multiple of kv_heads");
+        TORCH_CHECK(cos_.dim() == 3 && cos_.size(2) % 2 == 0 && cos_.size(2) <= head_dim,
+                    "DecodePlan: cos must be [1, positions, rotary] with an even rotary <= head_dim");
+        positions_ = cos_.size(1), rotary_ = cos_.size(2);
+        check_bf16(cos_, {1, positions_, rotary_}, "cos");
+        check_bf16(sin_, {1, positions_, rotary_}, "sin");
+        check_bf16(final_.weight, {hidden}, "the final norm's weight");
+    }
+
+    // tensors: input norm, q norm, k norm, post-attention norm weights; (pack, sz, bias) of qkv, o, gate_up
+    // and down; keys, values. An absent norm or bias is an empty tensor. eps: the four norms'; groups: the
+    // four linears' group sizes.
+    void add_layer(std::vector<at::Tensor> tensors, std::vector<double> eps, std::vector<int64_t> groups) {
+        TORCH_CHECK(tensors.size() == 18 && eps.size() == 4 && groups.size() == 4,
+                    "DecodePlan.add_layer: 18 tensors, 4 epsilons and 4 group sizes");
+        Layer l;
+        l.input = {tensors[0], static_cast<float>(eps[0])}, l.q_norm = {tensors[1], static_cast<float>(eps[1])};
+        l.k_norm = {tensors[2], static_cast<float>(eps[2])}, l.post = {tensors[3], static_cast<float>(eps[3])};
+        Linear *linears[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+        for (int i = 0; i < 4; i++)
+            *linears[i] = {tensors[4 + 3 * i], tensors[5 + 3 * i], tensors[6 + 3 * i], 0, 0, groups[i]};
+        l.keys = tensors[16], l.values = tensors[17];
+        check(l);
+        layers_.push_back(std::move(l));
+    }
+
+    // h bf16 [1, hidden]: the embedded token at `position` -> bf16 [1, 1, hidden] after the final norm.
+    at::Tensor step(const at::Tensor &h, int64_t position) {
+        TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.numel() == hidden_, "DecodePlan.step: h must be bf16 [1, ",
+                    hidden_, "]");
+        TORCH_CHECK(0 <= position && position < positions_, "DecodePlan.step: position ", position,
+                    " outside the cache of ", positions_);
+        const at::Tensor hc = h.contiguous();
+        hidden_state_.assign(bf16_of(hc), bf16_of(hc) + hidden_);
+        for (const Layer &l : layers_) run_layer(l, position);
+        at::Tensor out = at::empty({1, 1, hidden_}, h.options());
+        final_.apply(hidden_state_.data(), hidden_, reinterpret_cast<Bf16 *>(out.data_ptr()), scratch_);
+        return out;
+    }
+
+    int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
+
+  private:
+    void check(Layer &l) {
+        const int64_t q = heads_ * dim_, kv = kv_heads_ * dim_;
+        check_bf16(l.input.weight, {hidden_}, "an input norm's weight");
+        check_bf16(l.post.weight, {hidden_}, "a post-attention norm's weight");
+        TORCH_CHECK(given(l.q_norm.weight) == given(l.k_norm.weight), "DecodePlan: q and k norms come together");
+        if (given(l.q_norm.weight)) {
+            check_bf16(l.q_norm.weight, {dim_}, "a q norm's weight");
+            check_bf16(l.k_norm.weight, {dim_}, "a k norm's weight");
+        }
+        const int64_t intermediate = l.gate_up.pack.dim() == 2 ? l.gate_up.pack.size(0) / 2 : 0;
+        const int64_t shapes[4][2] = {{q + 2 * kv, hidden_}, {hidden_, q}, {2 * intermediate, hidden_},
+                                      {hidden_, intermediate}};
+        const char *names[] = {"qkv", "o", "gate_up", "down"};
+        Linear *linears[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+        for (int i = 0; i < 4; i++) {
+            linears[i]->check(shapes[i][0], shapes[i][1], names[i]);
+            linears[i]->n = shapes[i][0], linears[i]->k = shapes[i][1];
+        }
+        for (const at::Tensor *t : {&l.keys, &l.values})
+            TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 &&
+                            t->size(1) == kv_heads_ && t->size(2) == positions_ && t->size(3) == dim_ &&
+                            t->stride(3) == 1,
+                        "DecodePlan: keys and values must be bf16 [1, ", kv_heads_, ", ", positions_, ", ", dim_,
+                        "] with the last dimension contiguous, got ", t->sizes());
+        for (auto [buffer, size] : {std::pair{&qkv_, q + 2 * kv}, {&attended_, q}, {&normed_, hidden_},
+                                    {&out_, hidden_}, {&gate_up_, 2 * intermediate}, {&product_, intermediate}})
+            buffer->resize(std::max<size_t>(buffer->size(), size));
+    }
+
+    void run_layer(const Layer &l, int64_t position) {
+        l.input.apply(hidden_state_.data(), hidden_, normed_.data(), scratch_);
+        l.qkv.apply(normed_.data(), qkv_.data());
+        attend(l, position);
+        l.o.apply(attended_.data(), out_.data());
+        add_residual();
+        l.post.apply(hidden_state_.data(), hidden_, normed_.data(), scratch_);
+        l.gate_up.apply(normed_.data(), gate_up_.data());
+        const int64_t intermediate = l.gate_up.n / 2;
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = widen(gate_up_[i]);
+            product_[i] = narrow(widen(narrow(g / (1.0f + std::exp(-g)))) * widen(gate_up_[intermediate + i]));
+        }
+        l.down.apply(product_.data(), out_.data());
+        add_residual();
+    }
+
+    // q, k and v of qkv_ normed and rotated, k and v written at `position`, attended_ = attention of q.
+    void attend(const Layer &l, int64_t position) {
+        Bf16 *q = qkv_.data(), *k = q + heads_ * dim_, *v = k + kv_heads_ * dim_;
+        const Bf16 *cos = bf16_of(cos_) + position * rotary_, *sin = bf16_of(sin_) + position * rotary_;
+        for (int64_t head = 0; head < heads_ + kv_heads_; head++) {
+            Bf16 *x = q + head * dim_;  // the k heads follow the q heads
+            const Norm &norm = head < heads_ ? l.q_norm : l.k_norm;
+            if (given(norm.weight)) norm.apply(x, dim_, x, scratch_);
+            rotate(x, cos, sin, rotary_);
+        }
+        Bf16 *keys = reinterpret_cast<Bf16 *>(l.keys.data_ptr()), *values = reinterpret_cast<Bf16 *>(l.values.data_ptr());
+        for (int64_t head = 0; head < kv_heads_; head++) {
+            std::memcpy(keys + head * l.keys.stride(1) + position * l.keys.stride(2), k + head * dim_, dim_ * sizeof(Bf16));
+            std::memcpy(values + head * l.values.stride(1) + position * l.values.stride(2), v + head * dim_,
+                        dim_ * sizeof(Bf16));
+        }
+        int4q::attend_one(q, keys, values, heads_, kv_heads_, position + 1, dim_, l.keys.stride(1), l.keys.stride(2),
+                          l.values.stride(1), l.values.stride(2), scale_, attended_.data());
+    }
+
+    void add_residual() {
+        for (int64_t i = 0; i < hidden_; i++) hidden_state_[i] = narrow(widen(hidden_state_[i]) + widen(out_[i]));
+    }
+
+    int64_t heads_, kv_heads_, dim_, hidden_, positions_ = 0, rotary_ = 0;
+    float scale_;
+    at::Tensor cos_, sin_;
+    Norm final_;
+    std::vector<Layer> layers_;
+    std::vector<Bf16> hidden_state_, normed_, qkv_, attended_, out_, gate_up_, product_;
+    std::vector<float> scratch_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
+    m.class_<DecodePlan>("DecodePlan")
+        .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, double>())
+        .def("add_layer", &DecodePlan::add_layer)
+        .def("step", &DecodePlan::step)
+        .def("layer_count", &DecodePlan::layer_count);
+}
