@@ -128,7 +128,7 @@ def test_a_step_that_differs_from_eager_is_refused_with_one_warning(quantized, m
 def test_the_plan_refuses_mismatched_tensors_with_a_message(quantized):
     decoder = FastDecoder(load_model(quantized("llama"), activations=INT8_DECODE), 32)
     plan = native.build_plan(decoder)
-    tensors, eps, groups = native._layer_arguments(decoder.layers[0], decoder.keys[0], decoder.values[0])
+    tensors, eps, groups = native.layer_arguments(decoder.layers[0], decoder.keys[0], decoder.values[0])
     tensors[16] = decoder.keys[0][:, :, :8]  # a cache shorter than the rotary tables
     with pytest.raises(RuntimeError, match="keys and values must be bf16"):
         plan.add_layer(tensors, eps, groups)

@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from ..native.attention import has_attend_one
-from ..native.build import NativeUnavailable
-from ..native.library import ops
 from ..nn.fusion import Int4Slice
 from ..nn.int4 import Int4Linear, int8_operator
 from .decoder import FastDecoder, StepMismatch, attend_in_fp32, check_against_eager, is_llama_rms_norm
@@ -78,7 +76,9 @@ def _silu_mlp(mlp) -> tuple[Int4Linear, Int4Linear]:
     return _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj")), _w4a8_linear(mlp.down_proj)
 
 
-def _layer_arguments(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list, list]:
+def layer_arguments(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list, list]:
+    """``DecodePlan.add_layer``'s arguments for a decoder layer over its caches; NotCovered where the
+    plan does not compute it."""
     attn = layer.self_attn
     norms = [_norm(layer.input_layernorm), _norm(getattr(attn, "q_norm", None)),
              _norm(getattr(attn, "k_norm", None)), _norm(layer.post_attention_layernorm)]
@@ -89,7 +89,8 @@ def _layer_arguments(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[l
 
 
 def build_plan(decoder: FastDecoder):
-    """The DecodePlan of ``decoder``'s stack over its caches; NotCovered says why there is none."""
+    """The DecodePlan of ``decoder``'s stack over its caches (int4q's library is loaded once
+    ``attend_one`` is); NotCovered says why there is none."""
     if decoder.attention is not attend_in_fp32 or not has_attend_one():
         raise NotCovered("its single-token attention is not attend_one's")
     attn, config = decoder.layers[0].self_attn, decoder.model.config.get_text_config()
@@ -98,7 +99,7 @@ def build_plan(decoder: FastDecoder):
         config.num_attention_heads, config.num_key_value_heads, attn.head_dim, weight.numel(), float(decoder.scale),
         decoder.cos.contiguous(), decoder.sin.contiguous(), weight, eps)
     for layer, keys, values in zip(decoder.layers, decoder.keys, decoder.values):
-        plan.add_layer(*_layer_arguments(layer, keys, values))
+        plan.add_layer(*layer_arguments(layer, keys, values))
     return plan
 
 
@@ -116,19 +117,18 @@ class NativeStep:
 
 def native_step(decoder) -> NativeStep | None:
     """The decoder's native step, checked against its eager step; None (logged) where the plan
-    does not cover its model, the library cannot be loaded, the CPU lacks the int8 kernel, or the
-    step differs from eager."""
+    does not cover its model (the library or the CPU's int8 kernel missing included) or the step
+    differs from eager."""
     if not isinstance(decoder, FastDecoder):
         return None
     try:
-        ops()
         decoder.native = NativeStep(decoder)
         check_against_eager(decoder, "native")
         return decoder.native
     except NotCovered as e:
         decoder.native = None
         log.info("no native decode step: %s", e)
-    except (NativeUnavailable, StepMismatch, RuntimeError) as e:
+    except (StepMismatch, RuntimeError) as e:
         decoder.native = None
         log.warning("decoding without the native step (slower): %s", str(e).splitlines()[0] if str(e) else
                     type(e).__name__)
