@@ -38,6 +38,20 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
+def own_activation_choice():
+    """Each test starts with the activation setting the run started with: the CLI's --decode and
+    --prefill set INT4Q_ACTIVATIONS for their process, and CliRunner runs them in this one."""
+    from quantizer.runtime.activations import ENV
+
+    before = os.environ.get(ENV)
+    yield
+    if before is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = before
+
+
+@pytest.fixture(autouse=True)
 def seeded():
     """Every test starts from the same global RNG state, so a test's random tensors are the same
     on every run and in any order (tests that need several streams make their own generators)."""
