@@ -127,10 +127,53 @@ def test_a_step_that_differs_from_eager_is_refused_with_one_warning(quantized, m
 
 def test_the_plan_refuses_mismatched_tensors_with_a_message(quantized):
     decoder = FastDecoder(load_model(quantized("llama"), activations=INT8_DECODE), 32)
-    plan = native.build_plan(decoder)
-    tensors, eps, groups = native.layer_arguments(decoder.layers[0], decoder.keys[0], decoder.values[0])
-    tensors[16] = decoder.keys[0][:, :, :8]  # a cache shorter than the rotary tables
+    plan = native.NativeStep.of(decoder).plan
+    tensors, eps, groups = native.layer_arguments(decoder.layers[0])
+    short = decoder.keys[0][:, :, :8]  # a cache shorter than the rotary tables
     with pytest.raises(RuntimeError, match="keys and values must be bf16"):
-        plan.add_layer(tensors, eps, groups)
+        plan.add_layer([*tensors, short, decoder.values[0]], eps, groups)
     with pytest.raises(RuntimeError, match="outside the cache of 32"):
         plan.step(torch.zeros(1, 128, dtype=torch.bfloat16), 32)
+
+
+INT8 = Activations("int8", "int8")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
+def test_a_prompt_in_one_call_is_as_many_single_token_steps_bit_for_bit(kind, quantized):
+    decoder = FastDecoder(load_model(quantized(kind), activations=INT8), 64)
+    step = native.native_step(decoder)
+    assert step is not None and step.rows == native.PROMPT_ROWS
+    prompt = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    decoder.reset()
+    whole = greedy_logits(decoder, prompt, 6)
+    decoder.reset()
+    for i in range(prompt.shape[1] - 1):
+        decoder.forward(prompt[:, i : i + 1])
+    one_by_one = greedy_logits_from(decoder, prompt[:, -1:], 6)
+    assert torch.equal(whole, one_by_one)
+
+
+def greedy_logits_from(decoder, last: torch.Tensor, steps: int) -> torch.Tensor:
+    """greedy_logits without the reset: the cache already holds the prompt before ``last``."""
+    logits, out = decoder.forward(last), []
+    for _ in range(steps):
+        logits = decoder.forward(logits.argmax(-1, keepdim=True))
+        out.append(logits)
+    return torch.cat(out)
+
+
+def test_a_prompt_goes_through_the_plan_only_where_prefill_is_int8_and_it_is_short(quantized, monkeypatch):
+    calls = []
+    real = native.NativeStep.__call__
+    monkeypatch.setattr(native.NativeStep, "__call__",
+                        lambda self, ids, position: calls.append(ids.shape[1]) or real(self, ids, position))
+    for activations, rows in ((INT8, native.PROMPT_ROWS), (INT8_DECODE, 1)):
+        decoder = FastDecoder(load_model(quantized("llama"), activations=activations), 256)
+        decoder.native = native.native_step(decoder)
+        assert decoder.native.rows == rows
+        calls.clear()
+        for length in (1, 5, native.PROMPT_ROWS + 1):
+            decoder.reset()
+            decoder.forward(torch.zeros(1, length, dtype=torch.long))
+        assert calls == [n for n in (1, 5, native.PROMPT_ROWS + 1) if n <= rows]

@@ -148,16 +148,19 @@ class StepMismatch(Exception):
 
 def check_against_eager(decoder, attribute: str = "compiled") -> None:
     """Raise StepMismatch unless one step through the decoder's ``attribute`` (``compiled`` or
-    ``native``) picks the eager step's token with logits within bf16 rounding of it. Leaves the
-    decoder reset."""
+    ``native``) picks the eager step's token with logits within bf16 rounding of it. Where the fast
+    path also takes the prompt (``rows`` > 1), eager takes it one token at a time, so that both
+    attend as single-token steps do. Leaves the decoder reset."""
     prompt, token = torch.tensor([[1, 2, 3]]), torch.tensor([[4]])
     fast_step = getattr(decoder, attribute)
+    eager_prompt = prompt.split(1, dim=1) if getattr(fast_step, "rows", 1) > 1 else (prompt,)
     try:
         results = []
         for step in (fast_step, None):
             setattr(decoder, attribute, step)
             decoder.reset()
-            decoder.forward(prompt)
+            for part in (prompt,) if step is not None else eager_prompt:
+                decoder.forward(part)
             results.append(decoder.forward(token).float())
     finally:
         setattr(decoder, attribute, fast_step)
@@ -170,10 +173,10 @@ def check_against_eager(decoder, attribute: str = "compiled") -> None:
 
 class SteppedDecoder:
     """What both decoders share: ``forward(ids)`` appends ``ids`` [1, T] and returns the last
-    position's logits [1, V], a single token through ``compiled`` (a compiled step of
-    ``step_function``) where there is one, asking ``pending`` for it first; else
-    :meth:`eager_forward`; or through ``native`` (``native(token, position)``, see
-    :mod:`.native_step`) where that is set. Subclasses set ``model``, ``max_len``, ``position``,
+    position's logits [1, V]: up to ``native.rows`` tokens through ``native`` (``native(ids,
+    position)``, see :mod:`.native_step`) where that is set; else a single token through
+    ``compiled`` (a compiled step of ``step_function``) where there is one, asking ``pending`` for
+    it first; else :meth:`eager_forward`. Subclasses set ``model``, ``max_len``, ``position``,
     ``compiled``, ``pending`` and ``step_arguments``."""
 
     native = None
@@ -183,9 +186,9 @@ class SteppedDecoder:
         start, t = self.position, ids.shape[1]
         if start + t > self.max_len:
             raise InputError(f"{start + t} tokens exceed this decoder's cache of {self.max_len}")
-        if t == 1 and start and self.native is not None:
+        if self.native is not None and t <= self.native.rows:
             logits = self.native(ids, start)
-            self.position += 1
+            self.position += t
             return logits
         if t == 1 and self.pending is not None:
             self.compiled = self.pending.poll() or self.compiled

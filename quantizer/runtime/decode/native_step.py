@@ -7,12 +7,15 @@ model's own modules (any kind of table or head).
 
 Nothing is traced or compiled, so such a model decodes at full speed from its first token. The plan
 rounds where the eager int8 step rounds and is checked against it before use, like a compiled step;
-models it does not cover take the compiled step.
+models it does not cover take the compiled step. Where the linears' prefill rows are int8 too, a
+prompt of up to :data:`PROMPT_ROWS` tokens goes through the plan in one call, which gives what as many
+single-token steps give, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,11 @@ log = logging.getLogger(__name__)
 
 NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)
 """An absent norm or bias, as the plan takes it."""
+
+PROMPT_ROWS = 128
+"""The longest prompt the plan takes in one call (where prefill is int8): its attention is one
+query at a time, and past this length transformers' attention over the whole prompt is faster
+(README, "The native step")."""
 
 
 class NotCovered(Exception):
@@ -76,43 +84,78 @@ def _silu_mlp(mlp) -> tuple[Int4Linear, Int4Linear]:
     return _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj")), _w4a8_linear(mlp.down_proj)
 
 
-def layer_arguments(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[list, list, list]:
-    """``DecodePlan.add_layer``'s arguments for a decoder layer over its caches; NotCovered where the
-    plan does not compute it."""
+def layer_arguments(layer) -> tuple[list, list, list]:
+    """``DecodePlan.add_layer``'s arguments for a decoder layer, less its caches: 16 tensors, 4
+    epsilons, 4 group sizes; NotCovered where the plan does not compute it."""
     attn = layer.self_attn
     norms = [_norm(layer.input_layernorm), _norm(getattr(attn, "q_norm", None)),
              _norm(getattr(attn, "k_norm", None)), _norm(layer.post_attention_layernorm)]
     linears = [_fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), _w4a8_linear(attn.o_proj),
                *_silu_mlp(layer.mlp)]
-    tensors = [n[0] for n in norms] + [t for lin in linears for t in _linear_tensors(lin)] + [keys, values]
+    tensors = [n[0] for n in norms] + [t for lin in linears for t in _linear_tensors(lin)]
     return tensors, [n[1] for n in norms], [lin.group_size for lin in linears]
 
 
-def build_plan(decoder: FastDecoder):
-    """The DecodePlan of ``decoder``'s stack over its caches (int4q's library is loaded once
-    ``attend_one`` is); NotCovered says why there is none."""
+@dataclass
+class PlanSpec:
+    """A DecodePlan apart from its caches and rotary tables: attention's shape and scale, the final
+    norm, each layer's :func:`layer_arguments`, and ``rows``: how many tokens one call may take."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    norm: torch.Tensor
+    eps: float
+    layers: list[tuple[list, list, list]]
+    rows: int
+
+
+def plan_spec(decoder: FastDecoder) -> PlanSpec:
+    """The plan of ``decoder``'s stack (int4q's library is loaded once ``attend_one`` is);
+    NotCovered says why there is none."""
     if decoder.attention is not attend_in_fp32 or not has_attend_one():
         raise NotCovered("its single-token attention is not attend_one's")
     attn, config = decoder.layers[0].self_attn, decoder.model.config.get_text_config()
     weight, eps = _norm(decoder.norm)
-    plan = torch.classes.int4q_native.DecodePlan(
-        config.num_attention_heads, config.num_key_value_heads, attn.head_dim, weight.numel(), float(decoder.scale),
-        decoder.cos.contiguous(), decoder.sin.contiguous(), weight, eps)
-    for layer, keys, values in zip(decoder.layers, decoder.keys, decoder.values):
-        plan.add_layer(*layer_arguments(layer, keys, values))
+    rows = PROMPT_ROWS if prefills_in_int8(decoder) else 1
+    return PlanSpec(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(decoder.scale),
+                    weight, eps, [layer_arguments(layer) for layer in decoder.layers], rows)
+
+
+def make_plan(spec: PlanSpec, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list):
+    """``torch.classes.int4q_native.DecodePlan`` of ``spec`` over rotary tables cos and sin bf16
+    [1, positions, rotary] and each layer's caches bf16 [1, kv_heads, positions, head_dim]."""
+    plan = torch.classes.int4q_native.DecodePlan(spec.heads, spec.kv_heads, spec.head_dim, spec.norm.numel(),
+                                                 spec.scale, cos.contiguous(), sin.contiguous(), spec.norm, spec.eps)
+    for (tensors, eps, groups), k, v in zip(spec.layers, keys, values):
+        plan.add_layer([*tensors, k, v], eps, groups)
     return plan
 
 
+def prefills_in_int8(decoder: FastDecoder) -> bool:
+    """Whether every int4 linear of the stack multiplies prefill rows with int8 activations too, so
+    that the plan computes a prompt as eager does (up to attention)."""
+    return all(m.int8_prefill for m in decoder.layers.modules() if isinstance(m, Int4Linear))
+
+
 class NativeStep:
-    """``step(token, position)`` -> logits [1, V]: the decoder's embedding, its plan, its head."""
+    """``step(ids, position)`` -> logits [1, V] of the last of ``ids`` [1, T] (T <= ``rows``):
+    an embedding, a DecodePlan, a head."""
 
-    def __init__(self, decoder: FastDecoder):
-        self.plan = build_plan(decoder)
-        self.embed, self.head = decoder.embed, decoder.head
+    def __init__(self, plan, embed, head, rows: int):
+        self.plan, self.embed, self.head, self.rows = plan, embed, head, rows
 
-    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
-        h = self.embed(token).to(torch.bfloat16)
-        return self.head(self.plan.step(h.view(1, -1), position))[:, 0]
+    @classmethod
+    def of(cls, decoder: FastDecoder) -> "NativeStep":
+        """The step of ``decoder``'s own modules over its caches; NotCovered where there is none."""
+        spec = plan_spec(decoder)
+        plan = make_plan(spec, decoder.cos, decoder.sin, decoder.keys, decoder.values)
+        return cls(plan, decoder.embed, decoder.head, spec.rows)
+
+    def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        h = self.embed(ids).to(torch.bfloat16)
+        return self.head(self.plan.step(h.view(ids.shape[1], -1), position))[:, 0]
 
 
 def native_step(decoder) -> NativeStep | None:
@@ -122,7 +165,7 @@ def native_step(decoder) -> NativeStep | None:
     if not isinstance(decoder, FastDecoder):
         return None
     try:
-        decoder.native = NativeStep(decoder)
+        decoder.native = NativeStep.of(decoder)
         check_against_eager(decoder, "native")
         return decoder.native
     except NotCovered as e:

@@ -1,10 +1,13 @@
-// torch.classes.int4q_native.DecodePlan: the single-token step of a Llama-shaped decoder stack with
-// int8 activations in one call (decode/native_step.py builds it from the model). Per layer: RMSNorm,
+// torch.classes.int4q_native.DecodePlan: the steps of a Llama-shaped decoder stack with int8 activations
+// in one call each, for one token or a few (decode/native_step.py builds it from the model). Per layer: RMSNorm,
 // the fused q/k/v linear (+ bias), the optional q/k RMSNorms per head, the rotary embedding, the KV
 // cache write, attend_one, the output linear and residual, RMSNorm, the fused gate/up linear, SiLU(gate)
 // times up, the down linear and residual; then the final RMSNorm. Each bf16 intermediate is rounded
 // where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm and the
-// attention attend_one themselves. A plan serves one thread at a time (its buffers are its own).
+// attention attend_one themselves. T tokens in one call give the last one's output of T calls of one
+// token, bit for bit: each row's arithmetic is the same (w4a8_mm's rows are independent), and the query
+// of token t attends over the cache up to t. A plan serves one thread at a time (its buffers are its own).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
@@ -33,12 +36,21 @@ void check_bf16(const at::Tensor &t, std::vector<int64_t> sizes, const char *wha
                 "DecodePlan: ", what, " must be contiguous bf16 ", at::IntArrayRef(sizes), ", got ", t.sizes());
 }
 
+// f(r) for r in [0, rows), rows split between ATen's threads (inline for one row).
+template <class F>
+void each_row(int64_t rows, const F &f) {
+    at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; r++) f(r);
+    });
+}
+
 // Llama's RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x widened to fp32.
 struct Norm {
     at::Tensor weight;
     float eps = 0;
 
-    void apply(const Bf16 *x, int64_t n, Bf16 *out, std::vector<float> &scratch) const {
+    void apply(const Bf16 *x, int64_t n, Bf16 *out) const {
+        thread_local std::vector<float> scratch;
         scratch.resize(n);
         for (int64_t i = 0; i < n; i++) scratch[i] = widen(x[i]);
         const float variance = int4q::sum_of_squares(scratch.data(), n) / static_cast<float>(n);
@@ -62,11 +74,13 @@ struct Linear {
         if (given(bias)) check_bf16(bias, {rows}, "a bias");
     }
 
-    void apply(const Bf16 *x, Bf16 *out) const {
-        int4q::w4a8_matmul(x, 1, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
+    // x [rows, k] -> out [rows, n]
+    void apply(const Bf16 *x, int64_t rows, Bf16 *out) const {
+        int4q::w4a8_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
         if (!given(bias)) return;
         const Bf16 *b = bf16_of(bias);
-        for (int64_t i = 0; i < n; i++) out[i] = narrow(widen(out[i]) + widen(b[i]));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) out[r * n + i] = narrow(widen(out[r * n + i]) + widen(b[i]));
     }
 };
 
@@ -123,17 +137,22 @@ class DecodePlan : public torch::CustomClassHolder {
         layers_.push_back(std::move(l));
     }
 
-    // h bf16 [1, hidden]: the embedded token at `position` -> bf16 [1, 1, hidden] after the final norm.
+    // h bf16 [T, hidden]: T embedded tokens at positions `position`.. -> bf16 [1, 1, hidden], the last one's
+    // output of the final norm.
     at::Tensor step(const at::Tensor &h, int64_t position) {
-        TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.numel() == hidden_, "DecodePlan.step: h must be bf16 [1, ",
-                    hidden_, "]");
-        TORCH_CHECK(0 <= position && position < positions_, "DecodePlan.step: position ", position,
-                    " outside the cache of ", positions_);
+        TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(0) > 0 && h.size(1) == hidden_,
+                    "DecodePlan.step: h must be bf16 [T, ", hidden_, "], got ", h.sizes());
+        const int64_t rows = h.size(0);
+        TORCH_CHECK(0 <= position && position + rows <= positions_, "DecodePlan.step: positions ", position, "..",
+                    position + rows - 1, " outside the cache of ", positions_);
         const at::Tensor hc = h.contiguous();
-        hidden_state_.assign(bf16_of(hc), bf16_of(hc) + hidden_);
-        for (const Layer &l : layers_) run_layer(l, position);
+        hidden_state_.assign(bf16_of(hc), bf16_of(hc) + rows * hidden_);
+        for (auto [buffer, width] : {std::pair{&qkv_, qkv_width_}, {&attended_, heads_ * dim_}, {&normed_, hidden_},
+                                     {&out_, hidden_}, {&gate_up_, 2 * intermediate_}, {&product_, intermediate_}})
+            buffer->resize(std::max<size_t>(buffer->size(), rows * width));
+        for (const Layer &l : layers_) run_layer(l, position, rows);
         at::Tensor out = at::empty({1, 1, hidden_}, h.options());
-        final_.apply(hidden_state_.data(), hidden_, reinterpret_cast<Bf16 *>(out.data_ptr()), scratch_);
+        final_.apply(hidden_state_.data() + (rows - 1) * hidden_, hidden_, reinterpret_cast<Bf16 *>(out.data_ptr()));
         return out;
     }
 
@@ -164,36 +183,46 @@ class DecodePlan : public torch::CustomClassHolder {
                             t->stride(3) == 1,
                         "DecodePlan: keys and values must be bf16 [1, ", kv_heads_, ", ", positions_, ", ", dim_,
                         "] with the last dimension contiguous, got ", t->sizes());
-        for (auto [buffer, size] : {std::pair{&qkv_, q + 2 * kv}, {&attended_, q}, {&normed_, hidden_},
-                                    {&out_, hidden_}, {&gate_up_, 2 * intermediate}, {&product_, intermediate}})
-            buffer->resize(std::max<size_t>(buffer->size(), size));
+        qkv_width_ = q + 2 * kv, intermediate_ = std::max(intermediate_, intermediate);
     }
 
-    void run_layer(const Layer &l, int64_t position) {
-        l.input.apply(hidden_state_.data(), hidden_, normed_.data(), scratch_);
-        l.qkv.apply(normed_.data(), qkv_.data());
-        attend(l, position);
-        l.o.apply(attended_.data(), out_.data());
-        add_residual();
-        l.post.apply(hidden_state_.data(), hidden_, normed_.data(), scratch_);
-        l.gate_up.apply(normed_.data(), gate_up_.data());
+    // `rows` rows of the residual stream, at positions position.., through layer l.
+    void run_layer(const Layer &l, int64_t position, int64_t rows) {
+        norm_rows(l.input, rows);
+        l.qkv.apply(normed_.data(), rows, qkv_.data());
+        each_row(rows, [&](int64_t r) { write_token(l, r, position + r); });
+        for (int64_t r = 0; r < rows; r++) attend(l, r, position + r);
+        l.o.apply(attended_.data(), rows, out_.data());
+        add_residual(rows);
+        norm_rows(l.post, rows);
+        l.gate_up.apply(normed_.data(), rows, gate_up_.data());
         const int64_t intermediate = l.gate_up.n / 2;
-        for (int64_t i = 0; i < intermediate; i++) {
-            const float g = widen(gate_up_[i]);
-            product_[i] = narrow(widen(narrow(g / (1.0f + std::exp(-g)))) * widen(gate_up_[intermediate + i]));
-        }
-        l.down.apply(product_.data(), out_.data());
-        add_residual();
+        each_row(rows, [&](int64_t r) {
+            const Bf16 *gate = gate_up_.data() + r * 2 * intermediate, *up = gate + intermediate;
+            Bf16 *product = product_.data() + r * intermediate;
+            for (int64_t i = 0; i < intermediate; i++) {
+                const float g = widen(gate[i]);
+                product[i] = narrow(widen(narrow(g / (1.0f + std::exp(-g)))) * widen(up[i]));
+            }
+        });
+        l.down.apply(product_.data(), rows, out_.data());
+        add_residual(rows);
     }
 
-    // q, k and v of qkv_ normed and rotated, k and v written at `position`, attended_ = attention of q.
-    void attend(const Layer &l, int64_t position) {
-        Bf16 *q = qkv_.data(), *k = q + heads_ * dim_, *v = k + kv_heads_ * dim_;
+    void norm_rows(const Norm &norm, int64_t rows) {
+        each_row(rows, [&](int64_t r) {
+            norm.apply(hidden_state_.data() + r * hidden_, hidden_, normed_.data() + r * hidden_);
+        });
+    }
+
+    // Row r of qkv_: q and k normed and rotated for `position`, k and v written to the caches there.
+    void write_token(const Layer &l, int64_t r, int64_t position) {
+        Bf16 *q = qkv_.data() + r * qkv_width_, *k = q + heads_ * dim_, *v = k + kv_heads_ * dim_;
         const Bf16 *cos = bf16_of(cos_) + position * rotary_, *sin = bf16_of(sin_) + position * rotary_;
         for (int64_t head = 0; head < heads_ + kv_heads_; head++) {
             Bf16 *x = q + head * dim_;  // the k heads follow the q heads
             const Norm &norm = head < heads_ ? l.q_norm : l.k_norm;
-            if (given(norm.weight)) norm.apply(x, dim_, x, scratch_);
+            if (given(norm.weight)) norm.apply(x, dim_, x);
             rotate(x, cos, sin, rotary_);
         }
         Bf16 *keys = reinterpret_cast<Bf16 *>(l.keys.data_ptr()), *values = reinterpret_cast<Bf16 *>(l.values.data_ptr());
@@ -202,21 +231,29 @@ class DecodePlan : public torch::CustomClassHolder {
             std::memcpy(values + head * l.values.stride(1) + position * l.values.stride(2), v + head * dim_,
                         dim_ * sizeof(Bf16));
         }
-        int4q::attend_one(q, keys, values, heads_, kv_heads_, position + 1, dim_, l.keys.stride(1), l.keys.stride(2),
-                          l.values.stride(1), l.values.stride(2), scale_, attended_.data());
     }
 
-    void add_residual() {
-        for (int64_t i = 0; i < hidden_; i++) hidden_state_[i] = narrow(widen(hidden_state_[i]) + widen(out_[i]));
+    // Row r of attended_: the attention of row r's q over the caches' positions 0..position.
+    void attend(const Layer &l, int64_t r, int64_t position) {
+        const Bf16 *keys = bf16_of(l.keys), *values = bf16_of(l.values);
+        int4q::attend_one(qkv_.data() + r * qkv_width_, keys, values, heads_, kv_heads_, position + 1, dim_,
+                          l.keys.stride(1), l.keys.stride(2), l.values.stride(1), l.values.stride(2), scale_,
+                          attended_.data() + r * heads_ * dim_);
     }
 
-    int64_t heads_, kv_heads_, dim_, hidden_, positions_ = 0, rotary_ = 0;
+    void add_residual(int64_t rows) {
+        each_row(rows, [&](int64_t r) {
+            for (int64_t i = r * hidden_; i < (r + 1) * hidden_; i++)
+                hidden_state_[i] = narrow(widen(hidden_state_[i]) + widen(out_[i]));
+        });
+    }
+
+    int64_t heads_, kv_heads_, dim_, hidden_, positions_ = 0, rotary_ = 0, qkv_width_ = 0, intermediate_ = 0;
     float scale_;
     at::Tensor cos_, sin_;
     Norm final_;
     std::vector<Layer> layers_;
     std::vector<Bf16> hidden_state_, normed_, qkv_, attended_, out_, gate_up_, product_;
-    std::vector<float> scratch_;
 };
 
 }  // namespace
