@@ -33,6 +33,7 @@ from ..cache import (
     trusted_cache_dir,
 )
 from ..native.attention import has_attend_one
+from ..native.constant import prepare_compile
 from ..native.gemv import has_gemv, has_mean_square
 from ..nn.int4 import Int4Linear
 from .decoder import MIN_CACHE, FastDecoder, check_against_eager, unsupported_reason
@@ -221,6 +222,7 @@ def _load_saved(decoder, artifact: Path) -> bool:
 
 def _aot_compile(decoder):
     """Trace and compile the decoder's single-token step once for its model (every position)."""
+    prepare_compile()
     decoder.prepare_tracing()  # only tracing reads its marks: a saved step already holds their effect
     compiled = torch.compile(decoder.step_function, fullgraph=True, dynamic=False,
                              options={**INDUCTOR_OPTIONS, **decoder.compile_options})

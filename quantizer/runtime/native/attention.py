@@ -15,6 +15,7 @@ import logging
 import torch
 
 from .build import NativeUnavailable
+from .constant import constant_result
 from .library import native_off, ops
 
 SELF_TEST_SHAPES = ((9, 3, 64, 130), (4, 4, 12, 5), (8, 2, 128, 33))
@@ -55,7 +56,7 @@ def self_test() -> None:
             raise NativeUnavailable("int4q_native::attend_one is off by more than rounding on this machine")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_attend_one() -> bool:
     """Whether this process attends through the operator (a constant to torch.compile)."""
     if not _choice:

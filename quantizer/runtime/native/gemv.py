@@ -15,6 +15,7 @@ import torch
 
 from ..cache import machine_identity
 from .build import NativeUnavailable
+from .constant import constant_result
 from .dequant import SELF_TEST_GROUP, self_test_weight, supports
 from .library import load_unless_off, native_off, ops
 
@@ -57,7 +58,7 @@ MEAN_SQUARE_WIDTHS = (1, 7, 64, 100, 128, 576, 896, 960, 1536, 2048, 2560, 3584,
 common models, and widths whose cascade reaches its second and third levels."""
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_mean_square() -> bool:
     """Whether ``int4q_native.mean_square`` is loaded here (a constant to torch.compile), with its own
     summation where that is eager's bit for bit (see :func:`mean_square_is_eagers`). Silent where
@@ -104,7 +105,7 @@ def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, sca
     return bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 2**-16).all())
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_gemv() -> bool:
     """Whether this process decodes one row through the operator (a constant to torch.compile)."""
     if not _choice:

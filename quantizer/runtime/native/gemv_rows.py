@@ -14,6 +14,7 @@ import torch
 
 from ...formats.packing import pack_nibbles
 from ..cache import machine_identity
+from .constant import constant_result
 from .dequant import SELF_TEST_GROUP
 from .gemv import check_one_row, has_gemv, int4pack_mm
 from .library import load_unless_off, ops
@@ -41,7 +42,7 @@ def self_test() -> None:
         x, pack_nibbles(weight[0]), *weight[1:3], SELF_TEST_GROUP))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_gemv_rows() -> bool:
     """Whether this process decodes one row through the operator (a constant to torch.compile)."""
     if not _choice:

@@ -14,6 +14,7 @@ import torch
 from ..activations import chosen_explicitly
 from ..cache import machine_identity
 from .build import NativeUnavailable
+from .constant import constant_result
 from .dequant import SELF_TEST_GROUP, self_test_weight, supports
 from .library import load_unless_off, ops
 
@@ -97,7 +98,7 @@ def self_test() -> None:
             raise NativeUnavailable("int4q_native::w4a8_mm is off by more than rounding on this machine")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_w4a8() -> bool:
     """Whether this process has the int8 operator (a constant to torch.compile)."""
     if not _choice:

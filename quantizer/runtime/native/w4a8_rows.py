@@ -16,6 +16,7 @@ import torch
 from ...formats.packing import pack_nibbles
 from ..cache import machine_identity
 from .build import NativeUnavailable
+from .constant import constant_result
 from .library import load_unless_off, ops
 from .w4a8 import load_int8_operator, within_rounding
 
@@ -57,7 +58,7 @@ def self_test() -> None:
             raise NativeUnavailable("int4q_native::w4a8_rows is off by more than rounding on this machine")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def has_w4a8_rows() -> bool:
     """Whether this process has the operator (a constant to torch.compile)."""
     if not _choice:
