@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from quantizer.cli.main import main
 
-from conftest import interrupt_gptq_at_second_layer
+from conftest import interrupt_gptq_at_second_layer, quantize_to
 
 
 def run(*args, **kwargs):
@@ -295,3 +295,19 @@ def test_the_cli_starts_without_importing_torch_or_transformers():
     code = "import sys, quantizer.cli.main; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_generate_saves_a_quick_start_once_and_the_next_run_prints_the_same_text(tiny_model_tok, tmp_path,
+                                                                                    monkeypatch):
+    from quantizer.runtime.native.w4a8 import has_w4a8
+
+    if not has_w4a8():
+        pytest.skip("this CPU has no AVX-512 VBMI + VNNI: no native step, no snapshot")
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(tmp_path / "cache"))
+    model = quantize_to(tiny_model_tok, tmp_path / "q", group_size=64)
+    first = run("generate", model, "--prompt", "Hello there", "--max-new-tokens", 12)
+    monkeypatch.setattr("quantizer.runtime.loader.load_model", lambda *a, **k: pytest.fail("the model was built"))
+    second = run("generate", model, "--prompt", "Hello there", "--max-new-tokens", 12)
+    assert first.exit_code == second.exit_code == 0, second.output
+    assert "saved this model's decode plan for quick starts" in first.stderr
+    assert "saved" not in second.stderr and second.stdout == first.stdout
