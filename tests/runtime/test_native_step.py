@@ -177,3 +177,4 @@ def test_a_prompt_goes_through_the_plan_only_where_prefill_is_int8_and_it_is_sho
             decoder.reset()
             decoder.forward(torch.zeros(1, length, dtype=torch.long))
         assert calls == [n for n in (1, 5, native.PROMPT_ROWS + 1) if n <= rows]
+

@@ -18,13 +18,14 @@ from quantizer.runtime.decode import snapshot
 from quantizer.runtime.decode.generation import GenerationStats, generate_text
 from quantizer.runtime.decode.quick_tokenizer import quick_record
 from quantizer.runtime.native.w4a8 import has_w4a8
+from quantizer.runtime.native.w4a8_rows import has_w4a8_rows
 
 INT8 = Activations("int8", "int8")
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPT = "The quick brown fox"
 
-pytestmark = pytest.mark.skipif(not has_w4a8(), reason="this CPU has no AVX-512 VBMI + VNNI: no native step")
+pytestmark = pytest.mark.skipif(not (has_w4a8() or has_w4a8_rows()), reason="this CPU has no int8 kernel: no native step")
 
 
 @pytest.fixture
@@ -57,6 +58,17 @@ def test_the_quick_start_gives_the_full_paths_text(checkpoint, chat):
     assert quick is not None
     assert "".join(quick) == full_text(checkpoint, PROMPT, chat)
     assert stats.new_tokens == 16 and stats.prompt_tokens > 0
+
+
+def test_a_snapshot_of_row_major_linears_gives_the_full_paths_text(checkpoint, monkeypatch):
+    import quantizer.runtime.nn.int4 as int4_modules
+
+    monkeypatch.setattr(int4_modules, "kernel_layout_matches", lambda n: False)  # as on AVX2
+    monkeypatch.setattr(int4_modules, "_warned_layout", True)
+    saved(checkpoint)
+    assert snapshot.open_snapshot(checkpoint).meta["plan"]["rows"] == 64
+    quick = snapshot.quick_text(checkpoint, PROMPT, 16, False, GenerationStats())
+    assert "".join(quick) == full_text(checkpoint, PROMPT)
 
 
 def test_a_snapshot_is_saved_once(checkpoint):

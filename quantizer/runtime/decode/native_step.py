@@ -1,8 +1,9 @@
 """The single-token step as one native call: ``torch.classes.int4q_native.DecodePlan``
 (``csrc/decode_plan.cpp``) runs a :class:`.decoder.FastDecoder`'s whole decoder stack, from the
 embedded token to the final norm, where every layer is what that plan computes: Llama's RMSNorms,
-fused q/k/v and gate/up linears that multiply int8 activations through ``w4a8_mm``, a SiLU MLP,
-and the fp32 single-query attention of ``attend_one``. The embedding and the head stay the
+fused q/k/v and gate/up linears that multiply int8 activations through ``w4a8_mm`` (the kernel
+layout, AVX-512 VNNI) or ``w4a8_rows`` (row-major copies, AVX2), as eager does, a SiLU MLP, and the
+fp32 single-query attention of ``attend_one``. The embedding and the head stay the
 model's own modules (any kind of table or head).
 
 Nothing is traced or compiled, so such a model decodes at full speed from its first token. The plan
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from ..native.attention import has_attend_one
 from ..nn.fusion import Int4Slice
+from ..native.w4a8_rows import ROWS_LIMIT
 from ..nn.int4 import Int4Linear, int8_operator
 from .decoder import FastDecoder, StepMismatch, attend_in_fp32, check_against_eager, is_llama_rms_norm
 
@@ -41,13 +43,14 @@ class NotCovered(Exception):
 
 
 def _w4a8_linear(linear) -> Int4Linear:
-    """The Int4Linear that a one-row input multiplies through ``w4a8_mm``, else NotCovered."""
+    """The Int4Linear that a one-row input multiplies through ``w4a8_mm`` or ``w4a8_rows``, else
+    NotCovered."""
     if type(linear) is not Int4Linear:
         raise NotCovered(f"a {type(linear).__name__} is not a 4-bit linear")
     operator = int8_operator(1, linear.threshold, linear.int8_decode, linear.int8_prefill, linear.int4pack,
                              linear.group_size, linear.packed)
-    if operator != "w4a8_mm":
-        raise NotCovered("a linear does not decode with int8 activations in the kernel layout")
+    if operator not in ("w4a8_mm", "w4a8_rows"):
+        raise NotCovered("a linear does not decode with int8 activations")
     return linear
 
 
@@ -63,8 +66,12 @@ def _fused(parent, fused_name: str, names: tuple[str, ...]) -> Int4Linear:
 
 
 def _linear_tensors(linear: Int4Linear) -> list[torch.Tensor]:
+    """(pack, sz, zero, bias) as the plan takes them: the row-major tensors where the linear
+    decodes from them (``w4a8_rows``), else the kernel layout and no zero."""
     bias = NO_TENSOR if linear.bias is None else linear.bias.contiguous()
-    return [linear.int4pack.contiguous(), linear.sz.contiguous(), bias]
+    if linear.packed is not None:
+        return [linear.packed.contiguous(), linear.scale.contiguous(), linear.zero.contiguous(), bias]
+    return [linear.int4pack.contiguous(), linear.sz.contiguous(), NO_TENSOR, bias]
 
 
 def _norm(module) -> tuple[torch.Tensor, float]:
@@ -85,7 +92,7 @@ def _silu_mlp(mlp) -> tuple[Int4Linear, Int4Linear]:
 
 
 def layer_arguments(layer) -> tuple[list, list, list]:
-    """``DecodePlan.add_layer``'s arguments for a decoder layer, less its caches: 16 tensors, 4
+    """``DecodePlan.add_layer``'s arguments for a decoder layer, less its caches: 20 tensors, 4
     epsilons, 4 group sizes; NotCovered where the plan does not compute it."""
     attn = layer.self_attn
     norms = [_norm(layer.input_layernorm), _norm(getattr(attn, "q_norm", None)),
@@ -118,7 +125,7 @@ def plan_spec(decoder: FastDecoder) -> PlanSpec:
         raise NotCovered("its single-token attention is not attend_one's")
     attn, config = decoder.layers[0].self_attn, decoder.model.config.get_text_config()
     weight, eps = _norm(decoder.norm)
-    rows = PROMPT_ROWS if prefills_in_int8(decoder) else 1
+    rows = prompt_rows(decoder)
     return PlanSpec(config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(decoder.scale),
                     weight, eps, [layer_arguments(layer) for layer in decoder.layers], rows)
 
@@ -133,10 +140,14 @@ def make_plan(spec: PlanSpec, cos: torch.Tensor, sin: torch.Tensor, keys: list, 
     return plan
 
 
-def prefills_in_int8(decoder: FastDecoder) -> bool:
-    """Whether every int4 linear of the stack multiplies prefill rows with int8 activations too, so
-    that the plan computes a prompt as eager does (up to attention)."""
-    return all(m.int8_prefill for m in decoder.layers.modules() if isinstance(m, Int4Linear))
+def prompt_rows(decoder: FastDecoder) -> int:
+    """The most tokens one plan call takes: where every int4 linear of the stack multiplies prefill
+    rows with int8 activations too, as many as eager sends through the same kernels (up to
+    :data:`PROMPT_ROWS`), so that the plan computes a prompt as eager does (up to attention); else 1."""
+    linears = [m for m in decoder.layers.modules() if isinstance(m, Int4Linear)]
+    if not all(m.int8_prefill for m in linears):
+        return 1
+    return min(PROMPT_ROWS, ROWS_LIMIT) if any(m.packed is not None for m in linears) else PROMPT_ROWS
 
 
 class NativeStep:

@@ -83,7 +83,7 @@ class Snapshot:
 
     def spec(self) -> PlanSpec:
         p, t = self.meta["plan"], self.tensors
-        layers = [([t[f"layer.{i}.{j}"] for j in range(16)], eps, groups) for i, (eps, groups) in enumerate(p["layers"])]
+        layers = [([t[f"layer.{i}.{j}"] for j in range(20)], eps, groups) for i, (eps, groups) in enumerate(p["layers"])]
         return PlanSpec(p["heads"], p["kv_heads"], p["head_dim"], p["scale"], t["norm"], p["eps"], layers, p["rows"])
 
     def decoder(self, max_len: int) -> "SnapshotDecoder":

@@ -60,23 +60,40 @@ struct Norm {
     }
 };
 
-// A 4-bit linear in the kernel layout, multiplied by w4a8_mm: out = x W^T (+ bias, a separate bf16 add).
+// A 4-bit linear: out = x W^T (+ bias, a separate bf16 add), by w4a8_mm from the kernel layout (pack
+// [n, k/2], sz [k/group, n, 2]) or, where `zero` is given, by w4a8_rows from the row-major tensors (pack
+// [n, k/2], sz the scale [n, k/group], zero [n, k/group]).
 struct Linear {
-    at::Tensor pack, sz, bias;
+    at::Tensor pack, sz, zero, bias;
     int64_t n = 0, k = 0, group = 0;
+
+    bool row_major() const { return given(zero); }
 
     void check(int64_t rows, int64_t cols, const char *what) const {
         TORCH_CHECK(pack.scalar_type() == at::kByte && pack.is_contiguous() && pack.dim() == 2 && pack.size(0) == rows &&
-                        pack.size(1) * 2 == cols && rows % 64 == 0 && group > 0 && group % 4 == 0 && cols % group == 0,
-                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2,
-                    "] with a group of a multiple of 4 dividing ", cols, ", got ", pack.sizes(), " and group ", group);
-        check_bf16(sz, {cols / group, rows, 2}, "a weight's sz");
+                        pack.size(1) * 2 == cols && group > 0 && cols % group == 0,
+                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2, "] with a group dividing ",
+                    cols, ", got ", pack.sizes(), " and group ", group);
+        if (row_major()) {
+            TORCH_CHECK(int4q_w4a8_rows_available() && (group % 64 == 0 || (group == 32 && cols % 64 == 0)),
+                        "DecodePlan: a row-major weight needs AVX2 and a group of 32 or a multiple of 64, got ", group);
+            check_bf16(sz, {rows, cols / group}, "a row-major weight's scale");
+            check_bf16(zero, {rows, cols / group}, "a row-major weight's zero");
+        } else {
+            TORCH_CHECK(int4q_w4a8_available() && rows % 64 == 0 && group % 4 == 0,
+                        "DecodePlan: a kernel-layout weight needs AVX-512 VBMI and VNNI, whole 64-channel blocks and "
+                        "a group of a multiple of 4, got ", pack.sizes(), " and group ", group);
+            check_bf16(sz, {cols / group, rows, 2}, "a weight's sz");
+        }
         if (given(bias)) check_bf16(bias, {rows}, "a bias");
     }
 
     // x [rows, k] -> out [rows, n]
     void apply(const Bf16 *x, int64_t rows, Bf16 *out) const {
-        int4q::w4a8_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
+        if (row_major())
+            int4q::w4a8_rows_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), bf16_of(zero), n, group, out);
+        else
+            int4q::w4a8_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
         if (!given(bias)) return;
         const Bf16 *b = bf16_of(bias);
         for (int64_t r = 0; r < rows; r++)
@@ -109,7 +126,8 @@ class DecodePlan : public torch::CustomClassHolder {
                at::Tensor sin, at::Tensor norm_weight, double norm_eps)
         : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), scale_(static_cast<float>(scale)),
           cos_(std::move(cos)), sin_(std::move(sin)), final_{std::move(norm_weight), static_cast<float>(norm_eps)} {
-        TORCH_CHECK(int4q_w4a8_available(), "DecodePlan: this CPU lacks AVX-512 VBMI and VNNI");
+        TORCH_CHECK(int4q_w4a8_available() || int4q_w4a8_rows_available(),
+                    "DecodePlan: this CPU has neither int8 kernel (AVX-512 VBMI and VNNI, or AVX2)");
         TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && hidden > 0,
                     "DecodePlan: heads must be a positive multiple of kv_heads");
         TORCH_CHECK(cos_.dim() == 3 && cos_.size(2) % 2 == 0 && cos_.size(2) <= head_dim,
@@ -120,19 +138,19 @@ class DecodePlan : public torch::CustomClassHolder {
         check_bf16(final_.weight, {hidden}, "the final norm's weight");
     }
 
-    // tensors: input norm, q norm, k norm, post-attention norm weights; (pack, sz, bias) of qkv, o, gate_up
-    // and down; keys, values. An absent norm or bias is an empty tensor. eps: the four norms'; groups: the
-    // four linears' group sizes.
+    // tensors: input norm, q norm, k norm, post-attention norm weights; (pack, sz, zero, bias) of qkv, o,
+    // gate_up and down (see Linear); keys, values. An absent norm, zero or bias is an empty tensor. eps: the
+    // four norms'; groups: the four linears' group sizes.
     void add_layer(std::vector<at::Tensor> tensors, std::vector<double> eps, std::vector<int64_t> groups) {
-        TORCH_CHECK(tensors.size() == 18 && eps.size() == 4 && groups.size() == 4,
-                    "DecodePlan.add_layer: 18 tensors, 4 epsilons and 4 group sizes");
+        TORCH_CHECK(tensors.size() == 22 && eps.size() == 4 && groups.size() == 4,
+                    "DecodePlan.add_layer: 22 tensors, 4 epsilons and 4 group sizes");
         Layer l;
         l.input = {tensors[0], static_cast<float>(eps[0])}, l.q_norm = {tensors[1], static_cast<float>(eps[1])};
         l.k_norm = {tensors[2], static_cast<float>(eps[2])}, l.post = {tensors[3], static_cast<float>(eps[3])};
         Linear *linears[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
         for (int i = 0; i < 4; i++)
-            *linears[i] = {tensors[4 + 3 * i], tensors[5 + 3 * i], tensors[6 + 3 * i], 0, 0, groups[i]};
-        l.keys = tensors[16], l.values = tensors[17];
+            *linears[i] = {tensors[4 + 4 * i], tensors[5 + 4 * i], tensors[6 + 4 * i], tensors[7 + 4 * i], 0, 0, groups[i]};
+        l.keys = tensors[20], l.values = tensors[21];
         check(l);
         layers_.push_back(std::move(l));
     }

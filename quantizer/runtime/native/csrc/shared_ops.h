@@ -12,6 +12,11 @@ namespace int4q {
 void w4a8_matmul(const uint16_t *x, int64_t m, int64_t k, const uint8_t *pack, const uint16_t *sz, int64_t n,
                  int64_t group_size, uint16_t *out);
 
+// w4a8_rows (w4a8_ops.cpp) of x bf16 [m, k] and the row-major weight (packed [n, k/2], scale and zero
+// [n, k/group]) into out bf16 [m, n].
+void w4a8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const uint8_t *packed, const uint16_t *scale,
+                      const uint16_t *zero, int64_t n, int64_t group_size, uint16_t *out);
+
 // The sum of x[0..n) squared in the order of ATen's sum (int4_ops.cpp's mean_square).
 float sum_of_squares(const float *x, int64_t n);
 

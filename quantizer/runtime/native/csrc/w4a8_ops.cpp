@@ -130,17 +130,8 @@ at::Tensor w4a8_rows(const at::Tensor &x, const at::Tensor &packed, const at::Te
     if (m == 0) return out;
     const at::Tensor pc = packed.contiguous(), sc = scale.contiguous(), zc = zero.contiguous();
     const at::Tensor xc = x.contiguous();
-    const RoundedRows a = round_rows(bf16_data(xc), m, k, group_size, true);
-    const uint8_t *weights = pc.data_ptr<uint8_t>();
-    const auto *s = reinterpret_cast<const uint16_t *>(sc.data_ptr());
-    const auto *z = reinterpret_cast<const uint16_t *>(zc.data_ptr());
-    auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
-    // units of kRowsPass channels, split evenly between the threads (64-channel pieces at least)
-    const int64_t units = (n + kRowsPass - 1) / kRowsPass;
-    at::parallel_for(0, units, kChannelGrain / kRowsPass, [&](int64_t first, int64_t last) {
-        int4q_w4a8_rows(a.even, a.odd, a.xscale, a.xqsum, a.xsum, m, weights, s, z, dst, n, k, group_size,
-                        first * kRowsPass, std::min(last * kRowsPass, n));
-    });
+    int4q::w4a8_rows_matmul(bf16_data(xc), m, k, pc.data_ptr<uint8_t>(), bf16_data(sc), bf16_data(zc), n, group_size,
+                            reinterpret_cast<uint16_t *>(out.data_ptr()));
     return out;
 }
 
@@ -171,6 +162,17 @@ void int4q::w4a8_matmul(const uint16_t *x, int64_t m, int64_t k, const uint8_t *
             int4q_w4a8_blocks(a.xq + r0 * k, a.xscale + r0 * groups, a.xqsum + r0 * groups, a.xsum + r0 * groups, rows,
                               pack, sz, out + r0 * n, n, k, group_size, b, b + 1);
         }
+    });
+}
+
+void int4q::w4a8_rows_matmul(const uint16_t *x, int64_t m, int64_t k, const uint8_t *packed, const uint16_t *scale,
+                             const uint16_t *zero, int64_t n, int64_t group_size, uint16_t *out) {
+    const RoundedRows a = round_rows(x, m, k, group_size, true);
+    // units of kRowsPass channels, split evenly between the threads (64-channel pieces at least)
+    const int64_t units = (n + kRowsPass - 1) / kRowsPass;
+    at::parallel_for(0, units, kChannelGrain / kRowsPass, [&](int64_t first, int64_t last) {
+        int4q_w4a8_rows(a.even, a.odd, a.xscale, a.xqsum, a.xsum, m, packed, scale, zero, out, n, k, group_size,
+                        first * kRowsPass, std::min(last * kRowsPass, n));
     });
 }
 
