@@ -49,7 +49,7 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, d
     """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
     import torch
 
-    from ..runtime.decode.generation import GenerationStats
+    from ..runtime.decode.generation import GenerationStats, generate_text
     from ..runtime.decode.snapshot import quick_text
 
     if not prompt.strip():
@@ -60,12 +60,12 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, d
     torch.set_num_threads(threads)
     counts = GenerationStats()
     pieces = quick_text(model_dir, prompt, max_new_tokens, chat, counts)
-    loaded = time.perf_counter()
-    full = None
+    model = tokenizer = None
     if pieces is None:
-        full = _load_for_generate(model_dir, max_new_tokens, threads, compile)
-        loaded = time.perf_counter()
-        pieces = full[2](prompt, chat, counts)
+        model, tokenizer, compile = _load_for_generate(model_dir, max_new_tokens, threads, compile)
+        pieces = generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts,
+                               source=model_dir)
+    loaded = time.perf_counter()
     for piece in pieces:
         click.echo(piece, nl=False)
     click.echo()
@@ -75,25 +75,25 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, d
         rate = steps / (counts.last_token_at - counts.first_token_at) if steps else float("nan")
         click.echo(f"int4q: load {loaded - started:.2f} s, time to first token {counts.first_token_at - started:.2f} s "
                    f"({counts.prompt_tokens} prompt tokens), then {steps} tokens at {rate:.1f} tok/s", err=True)
-    if full is not None:
-        _save_quick_start(full[0], full[1], model_dir)
+    if model is not None:
+        _save_quick_start(model, tokenizer, model_dir)
 
 
 def _load_for_generate(model_dir: Path, max_new_tokens: int, threads: int, compile: bool | None):
-    """(model, tokenizer, pieces(prompt, chat, stats)): the checkpoint loaded through transformers."""
+    """(model, tokenizer, compile): the checkpoint loaded through transformers, and whether to
+    compile its decode step."""
     import torch
 
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
     from ..runtime.decode.background import threads_beside_worker
-    from ..runtime.decode.generation import generate_text, step_pays
+    from ..runtime.decode.generation import step_pays
 
     tokenizer = load_tokenizer(model_dir)
     compile = step_pays(max_new_tokens) if compile is None else compile
     model = load_model(model_dir, threads=threads_beside_worker(threads) if compile else threads)
     torch.set_num_threads(threads)
-    return model, tokenizer, lambda prompt, chat, counts: generate_text(
-        model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts, source=model_dir)
+    return model, tokenizer, compile
 
 
 def _save_quick_start(model, tokenizer, model_dir: Path) -> None:

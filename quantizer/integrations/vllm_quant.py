@@ -3,7 +3,7 @@
 Each quantized linear and vocabulary table loads the checkpoint's tensors as vLLM parameters
 (``weight_packed``, ``weight_scale``, ``weight_zero``), and after loading becomes int4q's own
 runtime module (:class:`~quantizer.runtime.nn.int4.Int4Linear` or the int8 one), behind int4q's
-custom op, which vLLM's torch.compile does not trace into. A step of up to :data:`DECODE_ROWS`
+custom op, which vLLM's torch.compile does not trace into. A step of up to ``loader.DECODE_ROWS``
 rows (one token of each of up to that many sequences: batched decode) goes through the decode
 kernels, which read the packed weight directly; larger steps (prompts) dequantize it, or take the
 int8 path, as int4q's runtime chooses (``INT4Q_ACTIVATIONS``; the head stays exact). A module the
@@ -31,7 +31,7 @@ from ..io.structure import inspect_structure
 from ..methods.grid import dequantize_codes
 from ..runtime.activations import EXACT
 from ..runtime.activations import current as current_activations
-from ..runtime.loader import kernel_options
+from ..runtime.loader import kernel_options, with_decode_rows
 from ..runtime.nn.int4 import Int4Linear
 from ..runtime.nn.int8 import Int8Linear
 from ..spec.config import QuantizationConfig as Int4qConfig
@@ -39,12 +39,6 @@ from ..spec.scheme import KEPT_BITS, ModuleScheme
 
 NAME = "cpu_int4"
 KERNEL = "int4q_kernel"  # the attribute holding a layer's int4q module after loading
-DECODE_ROWS = 32
-"""Rows up to which a step multiplies the packed weight directly (the checkpoint's
-dequant_threshold when larger): dequantizing the whole weight for a batch of 2-16 tokens cost 5-10
-times the decode kernels on SmolLM2's shapes (README, "In vLLM")."""
-
-
 def _tensor_shapes(scheme: ModuleScheme, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
     """The cpu_int4 tensors of one [N, K] module (formats/cpu_int4.py)."""
     if scheme.bits == 8:
@@ -71,8 +65,8 @@ class _Int4qMethod(QuantizeMethodBase):
             layer.register_parameter(name, param)
 
     def _build(self, layer: torch.nn.Module) -> torch.nn.Module:
-        options = kernel_options(self.qconfig, self.scheme.bits, EXACT if self.exact else current_activations())
-        options["threshold"] = max(options["threshold"], DECODE_ROWS)
+        options = with_decode_rows(kernel_options(self.qconfig, self.scheme.bits,
+                                                  EXACT if self.exact else current_activations()))
         if self.scheme.bits == 8:
             return Int8Linear(layer.weight_packed.data, layer.weight_scale.data, **options)
         return Int4Linear.from_row_major(layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data,

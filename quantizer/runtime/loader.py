@@ -26,6 +26,11 @@ from .nn.swap import set_module
 
 log = logging.getLogger(__name__)
 FORMAT = cpu_int4.FORMAT
+DECODE_ROWS = 32
+"""Rows up to which the vocabulary head (and, under vLLM, every linear) multiplies its packed
+weight directly, through the decode kernels; the checkpoint's dequant_threshold where larger.
+Dequantizing a whole head for a few rows (batched decode) costs what about 60 rows through
+tinygemm cost (README, "Batched decode")."""
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig | None:
@@ -99,8 +104,9 @@ def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, 
     """Put int4/int8 modules, built from ``reader``'s tensors, in place of the quantized linears
     and table of ``model`` (its other parameters may still be on the meta device); a ``tied``
     head shares the quantized table; int4 linears multiply as ``activations`` says (default: the
-    process's setting), except the vocabulary head, always exact: its error lands on the logits
-    unfiltered, and generation runs it on one row per token. Returns the quantized modules' names."""
+    process's setting), except the vocabulary head (:func:`head_options`), always exact: its error
+    lands on the logits unfiltered, and generation runs it on one row per token. Returns the
+    quantized modules' names."""
     activations = activations or current_activations()
     modules = dict(model.named_modules())
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -108,12 +114,12 @@ def install_quantized_modules(model: torch.nn.Module, reader: CheckpointReader, 
     quantized = quantized_module_names(reader)
     for name in quantized:
         module = modules.get(name)
-        _install(model, name, module, emb, reader, qc, tied, EXACT if module is head else activations)
+        _install(model, name, module, emb, reader, qc, tied, activations, head=module is head)
     if tied and emb_name in quantized:
         head_name = next(n for n, m in modules.items() if m is head)
         bits = 8 if isinstance(emb, Int8Lookup) else 4
         share = int8_tied_head if bits == 8 else tied_head
-        set_module(model, head_name, share(emb, **kernel_options(qc, bits, EXACT)))
+        set_module(model, head_name, share(emb, **head_options(qc, bits)))
     return set(quantized)
 
 
@@ -132,9 +138,20 @@ def kernel_options(qc: QuantizationConfig, bits: int, activations: Activations) 
     return options
 
 
+def with_decode_rows(options: dict) -> dict:
+    """:func:`kernel_options` with up to :data:`DECODE_ROWS` rows through the decode kernels."""
+    return {**options, "threshold": max(options["threshold"], DECODE_ROWS)}
+
+
+def head_options(qc: QuantizationConfig, bits: int) -> dict:
+    """The vocabulary head's module options: exact activations, :func:`with_decode_rows`."""
+    return with_decode_rows(kernel_options(qc, bits, EXACT))
+
+
 def _install(model, name: str, module, emb, reader: CheckpointReader, qc: QuantizationConfig, tied: bool,
-             activations: Activations) -> None:
-    """Put the quantized module ``name`` in place of the model's linear or embedding."""
+             activations: Activations, head: bool = False) -> None:
+    """Put the quantized module ``name`` in place of the model's linear or embedding (``head``: the
+    vocabulary head, see :func:`head_options`)."""
     if qc is None:
         raise InputError(f"{name} has packed weights but config.json has no quantization_config")
     scheme = qc.scheme_for(name)
@@ -155,7 +172,7 @@ def _install(model, name: str, module, emb, reader: CheckpointReader, qc: Quanti
     if linear_dims(module) != (tensors[0].shape[0], k):
         raise InputError(f"{name}: quantized shape [{tensors[0].shape[0]}, {k}] does not fit "
                          f"{list(linear_dims(module))} ([out, in])")
-    options = kernel_options(qc, scheme.bits, activations)
+    options = head_options(qc, scheme.bits) if head else kernel_options(qc, scheme.bits, activations)
     if scheme.bits == 8:
         set_module(model, name, Int8Linear(*tensors, bias=bias, **options))
     else:

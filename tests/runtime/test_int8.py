@@ -41,3 +41,17 @@ def test_lookup_and_tied_head_share_one_table_and_dequantize_together():
     assert type(model.emb) is torch.nn.Embedding and type(model.head) is torch.nn.Linear
     assert model.head.weight is model.emb.weight
     assert (model.head(x).float() - before.float()).abs().max() <= 0.01 * before.float().abs().max() + 1e-3
+
+
+def test_codes_read_at_any_offset_multiply_many_rows_through_the_decode_kernel():
+    q = quantized(96, 160, seed=2)
+    buffer = torch.zeros(q.codes.numel() + 8, dtype=torch.int8)
+    codes = buffer[8:].view(96, 160)  # 8 bytes past an aligned start, as a checkpoint's tensor may be
+    codes.copy_(q.codes)
+    table = torch.nn.Embedding(96, 160)
+    int8_embedding_module(table, codes, q.scale)
+    head = int8_tied_head(table, threshold=64)  # 8 rows through _weight_int8pack_mm
+    assert head.codes is table.codes  # aligned once, still shared
+    x = torch.randn(8, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = x.float() @ q.dequantize().t()
+    assert (head(x).float() - want).abs().max() <= 0.01 * want.abs().max() + 1e-3

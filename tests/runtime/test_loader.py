@@ -140,3 +140,17 @@ def test_every_end_of_sequence_id_of_the_folders_generation_config_stops_generat
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").symlink_to(outside)
     assert 99 not in eos_token_ids(load_model(folder), byte_tokenizer)  # never read through a link out of the folder
+
+
+def test_the_head_multiplies_a_batch_of_rows_through_its_decode_kernels_not_a_dequantized_copy(tiny_q):
+    from quantizer.runtime.loader import DECODE_ROWS
+
+    head = load_model(tiny_q).get_output_embeddings()
+    assert isinstance(head, Int4Linear) and head.threshold == DECODE_ROWS
+    assert head.prefill_weight(DECODE_ROWS - 1) is None and head.prefill_weight(DECODE_ROWS) is not None
+    wide = torch.randn(DECODE_ROWS - 1, 2 * head.in_features, generator=torch.Generator().manual_seed(0))
+    rows = wide.to(torch.bfloat16)[:, ::2]  # not contiguous, as transformers slices the last positions
+    with torch.inference_mode():
+        assert torch.equal(head(rows), head(rows.contiguous()))
+        expected = rows.float() @ head.dequantized_weight().float().t()
+        assert torch.allclose(head(rows).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -127,6 +127,14 @@ def test_a_chat_template_that_reads_the_clock_has_no_quick_chat(checkpoint):
     assert chat is None and backend_json
 
 
+def test_a_tokenizer_whose_decoding_transformers_cleans_up_has_no_quick_form(checkpoint):
+    tokenizer = load_tokenizer(checkpoint)
+    assert quick_record(tokenizer) is not None
+    tokenizer.clean_up_tokenization_spaces = True  # transformers 5 cleans a BPE tokenizer's text only if forced
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert quick_record(tokenizer) is None
+
+
 def test_the_quick_start_imports_neither_transformers_nor_dynamo(checkpoint):
     saved(checkpoint)
     code = ("import sys; from pathlib import Path; from quantizer.runtime.decode import snapshot; "

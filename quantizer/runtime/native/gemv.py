@@ -122,4 +122,4 @@ def int4pack_mm(x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group
     row where it is available and reads the weight, else tinygemm."""
     if x.shape[0] == 1 and group_size % 2 == 0 and supports(int4pack, group_size) and has_gemv():
         return torch.ops.int4q_native.gemv(x, int4pack, sz, group_size)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4pack, group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), int4pack, group_size, sz)

@@ -11,6 +11,15 @@ from .gemm import prefill_linear
 from .int4 import takes_prefill_path
 
 
+ALIGNMENT = 64
+"""Bytes on whose boundary the codes start: ``_weight_int8pack_mm`` reads a weight for more than one
+row with aligned loads, and one read from a checkpoint (16-byte aligned) crashed it."""
+
+
+def _aligned(codes: torch.Tensor) -> torch.Tensor:
+    return codes if codes.data_ptr() % ALIGNMENT == 0 else codes.clone()
+
+
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] from codes [N, K] and scale [N]."""
     return ChannelQuantized(codes, scale.unsqueeze(1)).dequantize(torch.bfloat16)
@@ -20,7 +29,7 @@ def _int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, thre
                  prefill_dequant: bool) -> torch.Tensor:
     if takes_prefill_path(x.shape[0], threshold, prefill_dequant):
         return prefill_linear(x, _dequantize(codes, scale))
-    return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), codes, scale)
 
 
 @torch.library.custom_op("int4q::int8_linear", mutates_args=())
@@ -43,7 +52,7 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.threshold, self.prefill_dequant = threshold, prefill_dequant
-        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("codes", _aligned(codes), persistent=False)
         self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16), persistent=False)
 
@@ -75,7 +84,7 @@ class Int8Lookup(torch.nn.Embedding):
     def _int8_setup(self, codes: torch.Tensor, scale: torch.Tensor):
         self._int8_shape = (self.num_embeddings, self.embedding_dim)
         del self._parameters["weight"]
-        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("codes", _aligned(codes), persistent=False)
         self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16), persistent=False)
 
     @property
