@@ -44,8 +44,9 @@ def main() -> None:
                 decoder.forward(ids)
                 times_of_arm.append(time.perf_counter() - start)
         plan, eager = (statistics.median(times[a]) for a in ("plan", "eager"))
-        print(f"{length:4d} tokens: plan {plan * 1e3:7.1f} ms ({length / plan:6.0f} tok/s), eager {eager * 1e3:7.1f} ms "
-              f"({length / eager:6.0f} tok/s), plan / eager time {plan / eager:.2f}", flush=True)
+        print(f"{length:4d} tokens: plan {plan * 1e3:7.1f} ms ({length / plan:6.0f} tok/s), "
+              f"eager {eager * 1e3:7.1f} ms ({length / eager:6.0f} tok/s), plan / eager time {plan / eager:.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":

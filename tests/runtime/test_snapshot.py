@@ -2,6 +2,7 @@
 full path's text token for token; it is made only where it reads back bit for bit, and never
 serves a checkpoint that changed since."""
 
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,18 @@ def test_a_prompt_longer_than_one_call_takes_the_full_path(checkpoint):
     long_prompt = "x" * (snapshot.open_snapshot(checkpoint).rows + 1)  # one byte, one token
     assert snapshot.quick_text(checkpoint, long_prompt, 4, False, GenerationStats()) is None
     assert snapshot.quick_text(checkpoint, long_prompt[:-1], 4, False, GenerationStats()) is not None
+
+
+@pytest.mark.parametrize("damage", ["tensors.safetensors", "meta.json", "a tensor"])
+def test_a_damaged_snapshot_is_passed_over_for_the_full_path(checkpoint, damage):
+    folder, _ = saved(checkpoint)
+    if damage == "a tensor":
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["plan"]["layers"].append(meta["plan"]["layers"][0])  # one layer more than the tensors hold
+        (folder / "meta.json").write_text(json.dumps(meta))
+    else:
+        (folder / damage).write_bytes(b"\x10" + bytes(7) + b"{not what was written")
+    assert snapshot.quick_text(checkpoint, PROMPT, 4, False, GenerationStats()) is None
 
 
 def test_a_snapshot_that_reads_back_otherwise_is_not_kept(checkpoint, monkeypatch):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from .generation import encode_prompt
 
 PLACEHOLDER = "\x00int4q prompt\x00"
-SAMPLES = ("Hello", "  spaces, a tab\tand lines\n\n", "Ünïcödé, 日本語, 🙂", "def f(x):\n    return x * 2 # <|im_end|>",
-           "a , b . c ? d ! it 's, do n't")
+SAMPLES = ("Hello", "  spaces, a tab\tand lines\n\n", "Ünïcödé, 日本語, 🙂",
+           "def f(x):\n    return x * 2 # <|im_end|>", "a , b . c ? d ! it 's, do n't")
 """Texts on which the quick form must encode and decode as transformers does (the last one as
 transformers' clean-up of tokenization spaces would change it)."""
 

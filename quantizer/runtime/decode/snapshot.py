@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from ..activations import current as current_activations
 from ..cache import UntrustedCache, machine_identity, runtime_source_digest, temporary_sibling, trusted_cache_dir
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 ENV = "INT4Q_QUICK_START"
+LAYER_TENSORS = 20  # per layer, as native_step.layer_arguments gives them
 POSITIONS = 32768
 """Rotary positions a snapshot keeps (fewer where the model has fewer, or a sliding window)."""
 
@@ -83,7 +86,8 @@ class Snapshot:
 
     def spec(self) -> PlanSpec:
         p, t = self.meta["plan"], self.tensors
-        layers = [([t[f"layer.{i}.{j}"] for j in range(20)], eps, groups) for i, (eps, groups) in enumerate(p["layers"])]
+        layers = [([t[f"layer.{i}.{j}"] for j in range(LAYER_TENSORS)], eps, groups)
+                  for i, (eps, groups) in enumerate(p["layers"])]
         return PlanSpec(p["heads"], p["kv_heads"], p["head_dim"], p["scale"], t["norm"], p["eps"], layers, p["rows"])
 
     def decoder(self, max_len: int) -> "SnapshotDecoder":
@@ -125,14 +129,12 @@ def open_snapshot(model_dir: Path) -> Snapshot | None:
         if not (folder / "meta.json").is_file() or not (has_w4a8() and has_attend_one()):
             return None
         return _read(folder)
-    except (UntrustedCache, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+    except (UntrustedCache, OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
         log.info("no quick start for %s: %s", model_dir, e)
         return None
 
 
 def _read(folder: Path) -> Snapshot:
-    from safetensors.torch import load_file
-
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("version") != VERSION:
         raise ValueError(f"snapshot version {meta.get('version')}, not {VERSION}")
@@ -196,8 +198,6 @@ def _write_checked(folder: Path, meta: dict, tensors: dict, tokenizer_json: str,
     """Write a snapshot beside ``folder``, check it read back against ``decoder`` and rename it into
     place; its size in bytes. StepMismatch where it differs; OSError where another run put one there
     first (or the disk refused)."""
-    from safetensors.torch import save_file
-
     folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     work = temporary_sibling(folder)
     shutil.rmtree(work, ignore_errors=True)
@@ -237,7 +237,7 @@ def quick_text(model_dir: Path, prompt: str, max_new_tokens: int, chat: bool,
         return None
     try:
         decoder = snapshot.decoder(len(ids) + max_new_tokens)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, KeyError) as e:
         log.info("no quick start for %s: %s", model_dir, e)
         return None
     stats.prompt_tokens = len(ids)

@@ -3,10 +3,11 @@
 // the fused q/k/v linear (+ bias), the optional q/k RMSNorms per head, the rotary embedding, the KV
 // cache write, attend_one, the output linear and residual, RMSNorm, the fused gate/up linear, SiLU(gate)
 // times up, the down linear and residual; then the final RMSNorm. Each bf16 intermediate is rounded
-// where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm and the
-// attention attend_one themselves. T tokens in one call give the last one's output of T calls of one
-// token, bit for bit: each row's arithmetic is the same (w4a8_mm's rows are independent), and the query
-// of token t attends over the cache up to t. A plan serves one thread at a time (its buffers are its own).
+// where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm (the kernel
+// layout) or w4a8_rows (row-major) and the attention attend_one themselves. T tokens in one call give the
+// last one's output of T calls of one token, bit for bit: each row's arithmetic is the same (the int8
+// kernels' rows are independent), and the query of token t attends over the cache up to t. A plan serves
+// one thread at a time (its buffers are its own).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -72,8 +73,8 @@ struct Linear {
     void check(int64_t rows, int64_t cols, const char *what) const {
         TORCH_CHECK(pack.scalar_type() == at::kByte && pack.is_contiguous() && pack.dim() == 2 && pack.size(0) == rows &&
                         pack.size(1) * 2 == cols && group > 0 && cols % group == 0,
-                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2, "] with a group dividing ",
-                    cols, ", got ", pack.sizes(), " and group ", group);
+                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2,
+                    "] with a group dividing ", cols, ", got ", pack.sizes(), " and group ", group);
         if (row_major()) {
             TORCH_CHECK(int4q_w4a8_rows_available() && (group % 64 == 0 || (group == 32 && cols % 64 == 0)),
                         "DecodePlan: a row-major weight needs AVX2 and a group of 32 or a multiple of 64, got ", group);
@@ -149,7 +150,8 @@ class DecodePlan : public torch::CustomClassHolder {
         l.k_norm = {tensors[2], static_cast<float>(eps[2])}, l.post = {tensors[3], static_cast<float>(eps[3])};
         Linear *linears[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
         for (int i = 0; i < 4; i++)
-            *linears[i] = {tensors[4 + 4 * i], tensors[5 + 4 * i], tensors[6 + 4 * i], tensors[7 + 4 * i], 0, 0, groups[i]};
+            *linears[i] = {tensors[4 + 4 * i], tensors[5 + 4 * i], tensors[6 + 4 * i], tensors[7 + 4 * i], 0, 0,
+                           groups[i]};
         l.keys = tensors[20], l.values = tensors[21];
         check(l);
         layers_.push_back(std::move(l));
