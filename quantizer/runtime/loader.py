@@ -29,7 +29,7 @@ FORMAT = cpu_int4.FORMAT
 DECODE_ROWS = 32
 """Rows up to which the vocabulary head (and, under vLLM, every linear) multiplies its packed
 weight directly, through the decode kernels; the checkpoint's dequant_threshold where larger.
-Dequantizing a whole head for a few rows (batched decode) costs what about 60 rows through
+Dequantizing a whole head for a few rows (batched decode) costs about what 60 rows through
 tinygemm cost (README, "Batched decode")."""
 
 
