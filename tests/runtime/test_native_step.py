@@ -143,7 +143,7 @@ INT8 = Activations("int8", "int8")
 def test_a_prompt_in_one_call_is_as_many_single_token_steps_bit_for_bit(kind, quantized):
     decoder = FastDecoder(load_model(quantized(kind), activations=INT8), 64)
     step = native.native_step(decoder)
-    assert step is not None and step.rows == native.PROMPT_ROWS
+    assert step is not None and step.rows == native.PROMPT_ROWS and step.spec.kernels() == {"w4a8_mm"}
     prompt = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2))
     decoder.reset()
     whole = greedy_logits(decoder, prompt, 6)

@@ -31,7 +31,7 @@ def test_row_major_linears_step_as_eager_and_take_prompts_as_single_steps(kind, 
     decoder = FastDecoder(load_model(path, activations=INT8_DECODE), 64)
     assert all(m.packed is not None for m in decoder.layers.modules() if isinstance(m, Int4Linear))
     step = native.native_step(decoder)
-    assert step is not None and step.rows == 1
+    assert step is not None and step.rows == 1 and step.spec.kernels() == {"w4a8_rows"}
     decoder.native = None
     eager = greedy_logits(decoder, prompt, 12)
     decoder.native = step

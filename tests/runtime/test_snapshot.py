@@ -67,6 +67,7 @@ def test_a_snapshot_of_row_major_linears_gives_the_full_paths_text(checkpoint, m
     monkeypatch.setattr(int4_modules, "kernel_layout_matches", lambda n: False)  # as on AVX2
     monkeypatch.setattr(int4_modules, "_warned_layout", True)
     saved(checkpoint)
+    monkeypatch.setattr(snapshot, "has_w4a8", lambda: False)  # ... which has no kernel-layout int8 kernel
     assert snapshot.open_snapshot(checkpoint).meta["plan"]["rows"] == 64
     quick = snapshot.quick_text(checkpoint, PROMPT, 16, False, GenerationStats())
     assert "".join(quick) == full_text(checkpoint, PROMPT)

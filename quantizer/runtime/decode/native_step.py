@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 NO_TENSOR = torch.empty(0, dtype=torch.bfloat16)
 """An absent norm or bias, as the plan takes it."""
 
+NORMS, LINEARS = 4, 4
+LAYER_TENSORS = NORMS + 4 * LINEARS
+"""Tensors per layer in :func:`layer_arguments`: the norms' weights, then (pack, sz, zero, bias) of
+each linear (:func:`_linear_tensors`)."""
+
 PROMPT_ROWS = 128
 """The longest prompt the plan takes in one call (where prefill is int8): its attention is one
 query at a time, and past this length transformers' attention over the whole prompt is faster
@@ -92,8 +97,9 @@ def _silu_mlp(mlp) -> tuple[Int4Linear, Int4Linear]:
 
 
 def layer_arguments(layer) -> tuple[list, list, list]:
-    """``DecodePlan.add_layer``'s arguments for a decoder layer, less its caches: 20 tensors, 4
-    epsilons, 4 group sizes; NotCovered where the plan does not compute it."""
+    """``DecodePlan.add_layer``'s arguments for a decoder layer, less its caches:
+    :data:`LAYER_TENSORS` tensors, 4 epsilons, 4 group sizes; NotCovered where the plan does not
+    compute it."""
     attn = layer.self_attn
     norms = [_norm(layer.input_layernorm), _norm(getattr(attn, "q_norm", None)),
              _norm(getattr(attn, "k_norm", None)), _norm(layer.post_attention_layernorm)]
@@ -116,6 +122,12 @@ class PlanSpec:
     eps: float
     layers: list[tuple[list, list, list]]
     rows: int
+
+    def kernels(self) -> set[str]:
+        """The int8 operators the plan multiplies with: ``w4a8_rows`` for each linear given as
+        row-major tensors (those with a zero), ``w4a8_mm`` for the others."""
+        zeros = (tensors[NORMS + 4 * i + 2] for tensors, _, _ in self.layers for i in range(LINEARS))
+        return {"w4a8_rows" if zero.numel() else "w4a8_mm" for zero in zeros}
 
 
 def plan_spec(decoder: FastDecoder) -> PlanSpec:
@@ -151,18 +163,18 @@ def prompt_rows(decoder: FastDecoder) -> int:
 
 
 class NativeStep:
-    """``step(ids, position)`` -> logits [1, V] of the last of ``ids`` [1, T] (T <= ``rows``):
-    an embedding, a DecodePlan, a head."""
+    """``step(ids, position)`` -> logits [1, V] of the last of ``ids`` [1, T] (T <= ``rows``, at
+    first ``spec.rows``): an embedding, the DecodePlan made from ``spec``, a head."""
 
-    def __init__(self, plan, embed, head, rows: int):
-        self.plan, self.embed, self.head, self.rows = plan, embed, head, rows
+    def __init__(self, spec: PlanSpec, plan, embed, head):
+        self.spec, self.plan, self.embed, self.head, self.rows = spec, plan, embed, head, spec.rows
 
     @classmethod
     def of(cls, decoder: FastDecoder) -> "NativeStep":
         """The step of ``decoder``'s own modules over its caches; NotCovered where there is none."""
         spec = plan_spec(decoder)
-        plan = make_plan(spec, decoder.cos, decoder.sin, decoder.keys, decoder.values)
-        return cls(plan, decoder.embed, decoder.head, spec.rows)
+        return cls(spec, make_plan(spec, decoder.cos, decoder.sin, decoder.keys, decoder.values), decoder.embed,
+                   decoder.head)
 
     def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         h = self.embed(ids).to(torch.bfloat16)

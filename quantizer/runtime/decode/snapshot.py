@@ -31,17 +31,17 @@ from ..activations import current as current_activations
 from ..cache import UntrustedCache, machine_identity, runtime_source_digest, temporary_sibling, trusted_cache_dir
 from ..native.attention import has_attend_one
 from ..native.w4a8 import has_w4a8
+from ..native.w4a8_rows import has_w4a8_rows
 from ..nn.state import NotSaveable, module_state, rebuilt_module
 from .decoder import MIN_CACHE, FastDecoder, StepMismatch, unsupported_reason
 from .generation import GenerationStats, detokenize, eos_token_ids, fast_greedy
-from .native_step import NativeStep, NotCovered, PlanSpec, make_plan, native_step, plan_spec
+from .native_step import LAYER_TENSORS, NativeStep, NotCovered, PlanSpec, make_plan, native_step
 from .quick_tokenizer import QuickTokenizer, quick_record
 
 log = logging.getLogger(__name__)
 
 VERSION = 1
 ENV = "INT4Q_QUICK_START"
-LAYER_TENSORS = 20  # per layer, as native_step.layer_arguments gives them
 POSITIONS = 32768
 """Rotary positions a snapshot keeps (fewer where the model has fewer, or a sliding window)."""
 
@@ -96,7 +96,7 @@ class Snapshot:
 
 class SnapshotDecoder:
     """A :class:`.decoder.FastDecoder`'s ``reset``/``forward`` over a snapshot, for up to ``max_len``
-    positions; ``forward`` takes at most ``rows`` tokens at a time."""
+    positions; ``forward`` takes at most ``step.rows`` tokens at a time."""
 
     def __init__(self, snapshot: Snapshot, max_len: int):
         spec = snapshot.spec()
@@ -104,10 +104,9 @@ class SnapshotDecoder:
         self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in spec.layers]
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in spec.layers]
         cos, sin = (snapshot.tensors[n][:, :max_len] for n in ("cos", "sin"))
-        plan = make_plan(spec, cos, sin, self.keys, self.values)
         embed, head = (rebuilt_module(snapshot.meta[n], snapshot.tensors) for n in ("embed", "head"))
-        self.step = NativeStep(plan, embed, head, spec.rows)
-        self.rows, self.max_len, self.position = spec.rows, max_len, 0
+        self.step = NativeStep(spec, make_plan(spec, cos, sin, self.keys, self.values), embed, head)
+        self.max_len, self.position = max_len, 0
 
     def reset(self) -> None:
         self.position = 0
@@ -121,17 +120,23 @@ class SnapshotDecoder:
 
 def open_snapshot(model_dir: Path) -> Snapshot | None:
     """The checkpoint's snapshot, where one was saved for it as it is now and this process has the
-    kernels it needs (checked as on every load); else None."""
+    kernels its plan needs (each checked as on every load); else None."""
     if not quick_start_on():
         return None
     try:
         folder = snapshot_dir(model_dir)
-        if not (folder / "meta.json").is_file() or not (has_w4a8() and has_attend_one()):
+        if not (folder / "meta.json").is_file():
             return None
-        return _read(folder)
+        snapshot = _read(folder)
+        return snapshot if _has_kernels(snapshot.spec()) else None
     except (UntrustedCache, OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
         log.info("no quick start for %s: %s", model_dir, e)
         return None
+
+
+def _has_kernels(spec: PlanSpec) -> bool:
+    loaded = {"w4a8_mm": has_w4a8, "w4a8_rows": has_w4a8_rows}
+    return has_attend_one() and all(loaded[kernel]() for kernel in spec.kernels())
 
 
 def _read(folder: Path) -> Snapshot:
@@ -174,12 +179,13 @@ def _parts(model: torch.nn.Module, tokenizer) -> tuple[dict, dict, str, FastDeco
     if reason:
         raise NotCovered(reason)
     decoder = FastDecoder(model, MIN_CACHE)
-    if native_step(decoder) is None:
+    step = native_step(decoder)
+    if step is None:
         raise NotCovered("the native step does not run this model")
     record = quick_record(tokenizer)
     if record is None:
         raise NotCovered("its tokenizer needs transformers")
-    spec = plan_spec(decoder)
+    spec = step.spec
     with torch.inference_mode():
         cos, sin = model.get_decoder().rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(positions)[None])
     if not (torch.equal(cos[:, :MIN_CACHE], decoder.cos) and torch.equal(sin[:, :MIN_CACHE], decoder.sin)):
