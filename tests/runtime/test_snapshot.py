@@ -118,6 +118,12 @@ def test_a_snapshot_that_reads_back_otherwise_is_not_kept(checkpoint, monkeypatc
     assert not list((checkpoint.parent / "cache" / "snapshots").iterdir())  # nothing kept, nothing half-written
 
 
+def test_a_plan_that_cannot_be_read_back_leaves_no_snapshot_and_no_traceback(checkpoint, monkeypatch):
+    monkeypatch.setattr(snapshot, "make_plan", lambda *a: (_ for _ in ()).throw(RuntimeError("DecodePlan: refused")))
+    assert saved(checkpoint) is None
+    assert not list((checkpoint.parent / "cache" / "snapshots").iterdir())
+
+
 def test_quick_start_off_neither_writes_nor_reads(checkpoint, monkeypatch):
     saved(checkpoint)
     monkeypatch.setenv(snapshot.ENV, "0")

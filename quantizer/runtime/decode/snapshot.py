@@ -159,7 +159,8 @@ def save_snapshot(model: torch.nn.Module, tokenizer, model_dir: Path) -> tuple[P
         if folder.exists():
             return None
         return folder, _write_checked(folder, *_parts(model, tokenizer))
-    except (UntrustedCache, OSError, NotCovered, NotSaveable, StepMismatch) as e:
+    except (UntrustedCache, OSError, NotCovered, NotSaveable, StepMismatch, RuntimeError, ValueError, KeyError,
+            SafetensorError) as e:  # the run's text is out: a snapshot that cannot be made is only left out
         log.info("no quick start saved for %s: %s", model_dir, e)
         return None
 
