@@ -150,6 +150,13 @@ bool use_own_mean_square(bool on) {
     return previous;
 }
 
+// The t-th of the panels [first, last) in an order that alternates between their two ends: the
+// panels near the diagonal hold fewer tiles, so each contiguous share of this order holds about
+// as many tiles as the others.
+static int64_t balanced_panel(int64_t t, int64_t first, int64_t last) {
+    return t % 2 == 0 ? first + t / 2 : last - 1 - t / 2;
+}
+
 // c fp32 [K, K] contiguous, x bf16 [M, K]: c = beta * c + alpha * x^T x on and above the diagonal
 // (gram_bf16.c); entries below it are left stale, for the caller to mirror from above.
 void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double beta) {
@@ -178,10 +185,10 @@ void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double be
         const int64_t p1 = std::min(p0 + INT4Q_GRAM_PAIRS, npairs);
         const float scale_old = p0 == 0 ? (float)beta : 1.0f;
         for (int64_t i0 = 0; i0 < k; i0 += INT4Q_GRAM_ROWS)
-            at::parallel_for(i0 / INT4Q_GRAM_PANEL, panels, 1, [&](int64_t first, int64_t last) {
-                for (int64_t panel = first; panel < last; panel++)
+            at::parallel_for(0, panels - i0 / INT4Q_GRAM_PANEL, 1, [&](int64_t first, int64_t last) {
+                for (int64_t t = first; t < last; t++)
                     int4q_gram_block(pairs.data(), p0, p1, kp, dst, k, (float)alpha, scale_old, i0,
-                                     i0 + INT4Q_GRAM_ROWS, panel);
+                                     i0 + INT4Q_GRAM_ROWS, balanced_panel(t, i0 / INT4Q_GRAM_PANEL, panels));
             });
     }
 }
