@@ -14,7 +14,7 @@ one) timed here on the same threads, before and after the run:
 - factorisation: the upper Cholesky factor of H⁻¹, counted as K³ per solve (a Cholesky and a
   triangular inverse are K³/3 each; the rest of the work is counted as a third K³/3);
 - column loop: the lazy-block updates, N·K² per solve (plus N·K·block inside the blocks);
-- report: the objective of GPTQ and of round-to-nearest per linear (2·2·N·K²);
+- report: round-to-nearest's objective per linear (2·N·K²; GPTQ's comes from its solve's errors);
 - io: reading the layers' weights, saving each finished layer, writing the output.
 
 Also the calibration objective Σ tr((W−Q)H(W−Q)ᵀ) over the linears (with round-to-nearest's

@@ -13,6 +13,7 @@ K-quant super-blocks are static too, their grids fixed before the first column.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -97,23 +98,27 @@ class HessianAccumulator:
 
 @dataclass(frozen=True)
 class GptqInfo:
-    """What the solve did: the damping that worked, the retries it needed, and the dead columns
-    (zero Hessian diagonal: never seen by the calibration inputs)."""
+    """What the solve did: the damping that worked, the retries it needed, the dead columns (zero
+    Hessian diagonal: never seen by the calibration inputs) and, for a solved weight, the
+    calibration objective it reached."""
 
     damp: float
     retries: int
     dead_columns: int
+    objective: float | None = None  # tr((W - Q) H (W - Q)^T) of a solved weight; None in a factor's info
 
 
 @dataclass(frozen=True)
 class HessianFactor:
     """What every linear on one input shares: the visiting order ``perm`` of the columns, the
     upper Cholesky factor ``U`` of the damped inverse Hessian in that order, the ``dead`` columns
-    (bool [K], original order) and what the damping took (``info``)."""
+    (bool [K], original order), the ``ridge`` added to every diagonal entry and what the damping
+    took (``info``)."""
 
     U: torch.Tensor
     perm: torch.Tensor
     dead: torch.Tensor
+    ridge: float
     info: GptqInfo
 
 
@@ -129,14 +134,14 @@ def factorize(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> He
     backwards = perm.flip(0)
     reversed_h = H.to(torch.float32)[backwards.unsqueeze(1), backwards]  # P H P in the visiting order
     reversed_h.diagonal()[dead[backwards]] = 1.0
-    U, used_damp, retries = _inverse_cholesky(reversed_h, damp)
-    return HessianFactor(U, perm, dead, GptqInfo(used_damp, retries, int(dead.sum())))
+    U, used_damp, retries, ridge = _inverse_cholesky(reversed_h, damp)
+    return HessianFactor(U, perm, dead, ridge, GptqInfo(used_damp, retries, int(dead.sum())))
 
 
-def _inverse_cholesky(reversed_h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int]:
+def _inverse_cholesky(reversed_h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int, float]:
     """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for H given reversed (P H P, P the reversal),
-    after adding damp * mean(diag H) to the diagonal; retries with 10x the damping when H is not
-    positive definite.
+    after adding the ridge damp * mean(diag H) to the diagonal; retries with 10x the damping when
+    H is not positive definite. Returns (U, the damping used, the retries, the ridge added).
 
     With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one triangular
     inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at once besides
@@ -154,7 +159,7 @@ def _inverse_cholesky(reversed_h: torch.Tensor, damp: float) -> tuple[torch.Tens
                             "(more calibration samples, or a larger --damp, avoid this)", damp, d)
             inverse = lower_triangular_inverse(L)
             del L
-            return inverse.flip(0, 1), d, retry
+            return inverse.flip(0, 1), d, retry, d * mean_diag
     raise NotPositiveDefinite(damp * 10**DAMP_RETRIES)
 
 
@@ -181,22 +186,27 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: 
     weight (codes in the original column order; scale/zero as stored, see ``grid_params`` for
     ``storage``) and what the solve did. With ``weighted_grids`` each group's grid is chosen
     by the search weighted by diag(H) (grid.weighted_grid_search) instead of its min/max.
-    ``factor``: H's :func:`factorize` with this ``damp`` and ``act_order``, where already made."""
+    ``factor``: H's :func:`factorize` with this ``damp`` and ``act_order``, where already made.
+    The info's ``objective`` is tr((W - Q) H (W - Q)^T), from the solve's own errors."""
     k = W.shape[1]
     if k % group_size:
         raise ValueError(f"input dim {k} is not a multiple of group size {group_size}")
     factor = factor or factorize(H, damp, act_order)
     weights = torch.diag(H).to(torch.float32).masked_fill(factor.dead, 0.0) if weighted_grids else None
-    parts = [_solve_rows(rows, factor, group_size, symmetric, act_order, block_size, storage, weights)
-             for rows in W.split(ROW_CHUNK)]
-    return GroupQuantized.cat(parts), factor.info
+    parts, objective = [], 0.0
+    for rows in W.split(ROW_CHUNK):
+        q, scaled_errors = _solve_rows(rows, factor, group_size, symmetric, act_order, block_size, storage, weights)
+        parts.append(q)
+        objective += solved_objective(scaled_errors, rows, q, factor)
+    return GroupQuantized.cat(parts), dataclasses.replace(factor.info, objective=objective)
 
 
 def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, block_size, storage,
-                weights=None) -> GroupQuantized:
+                weights=None) -> tuple[GroupQuantized, float]:
     """The GPTQ column loop for rows W [n, K] given the factor; ``weights`` [K] (original order)
-    for weighted grids. Inside a block the columns are worked on as contiguous rows of its
-    transpose, with each column's grid looked up, not recomputed."""
+    for weighted grids. Returns the quantized rows and the sum of their squared scaled errors
+    (each column's rounding error over U's diagonal). Inside a block the columns are worked on
+    as contiguous rows of its transpose, with each column's grid looked up, not recomputed."""
     W = W.to(torch.float32).clone()
     W[:, factor.dead] = 0.0
     n, k = W.shape
@@ -223,6 +233,7 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     if static:
         grid.set(range(k), scale.t()[group_of], zero.t()[group_of])
     codes = torch.empty(k, n, dtype=torch.float32, device=W.device)
+    scaled_errors = torch.zeros((), dtype=torch.float64, device=W.device)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].t().contiguous()
@@ -238,10 +249,23 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
                 grid.set(range(a, a + group_size), s[:, 0], z[:, 0])
             solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits)
         W[:, i2:] -= Err1.t().contiguous() @ U[i1:i2, i2:]
+        scaled_errors += Err1.square().sum(dtype=torch.float64)
     codes = codes.t().to(torch.uint8)
     if act_order:
         codes = codes[:, torch.argsort(perm)]
-    return GroupQuantized(codes, scale, zero, storage.bits)
+    return GroupQuantized(codes, scale, zero, storage.bits), scaled_errors.item()
+
+
+def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, factor: HessianFactor) -> float:
+    """tr(D H D^T) for D = W - Q, W [n, K] solved into ``q`` with ``factor``, from the sum of the
+    solve's squared scaled errors E [n, K]: D = E U in the visiting order, so ||E||^2 is
+    tr(D' H' D'^T) for the H' the solve factorised (dead columns' diagonal 1, the ridge added to
+    every diagonal entry) and D' (W's dead columns taken as 0, as the solve takes them); less the
+    ridge's and the dead columns' share, which H, whose dead rows and columns are 0, does not have."""
+    D = W.to(torch.float32).masked_fill(factor.dead, 0.0) - q.dequantize()
+    squares = D.square()
+    dead_share = float(squares[:, factor.dead].sum(dtype=torch.float64)) if factor.info.dead_columns else 0.0
+    return scaled_errors - factor.ridge * float(squares.sum(dtype=torch.float64)) - dead_share
 
 
 def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:

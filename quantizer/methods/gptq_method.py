@@ -54,17 +54,15 @@ class GptqMethod:
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
                                  damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
-        err, gptq_loss, rtn_loss = ErrorStats(), 0.0, 0.0
+        err, rtn_loss = ErrorStats(), 0.0
         for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head
             rows = slice(start, start + ROW_CHUNK)
             w = weight[rows]
-            deq = gq.rows(rows).dequantize()
-            err.add(w, deq)
-            gptq_loss += proxy_loss(w, deq, H)
+            err.add(w, gq.rows(rows).dequantize())
             rtn = quantize_groupwise(w, scheme.group_size, symmetric=scheme.symmetric,
                                      storage=dataclasses.replace(BF16, bits=storage.bits)).dequantize()
             rtn_loss += proxy_loss(w, rtn, H)
         return gq, {
-            **err.as_dict(), "method": "gptq", "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
+            **err.as_dict(), "method": "gptq", "gptq_loss": info.objective, "rtn_loss": rtn_loss,
             "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
         }

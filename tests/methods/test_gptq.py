@@ -150,3 +150,21 @@ def test_linears_on_one_input_share_one_factorisation(monkeypatch):
     acc.add(correlated_inputs(64, seed=1))
     acc.factor(0.01, True)
     assert len(calls) == 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 6), act_order=st.booleans(), symmetric=st.booleans(),
+       dead=st.integers(0, 3), few_inputs=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_objective_a_solve_reports_is_the_trace_it_reaches(rows, groups, act_order, symmetric, dead, few_inputs,
+                                                               seed):
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(seed)
+    x = correlated_inputs(k, rows=k // 2 if few_inputs else 4 * k, seed=seed)
+    x[:, :dead] = 0  # dead columns, which the solve takes as 0
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    W = torch.randn(rows, k, generator=gen) * 0.05
+    gq, info = gptq_quantize(W, acc.H, 32, symmetric=symmetric, act_order=act_order)
+    direct = proxy_loss(W, gq.dequantize(), acc.H)
+    assert info.dead_columns == min(dead, k)
+    assert info.objective == pytest.approx(direct, rel=1e-4, abs=1e-6 * direct + 1e-9)
