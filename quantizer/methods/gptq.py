@@ -131,27 +131,37 @@ def factorize(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> He
     dead = diag == 0
     diag = diag.masked_fill(dead, 1.0)
     perm = torch.argsort(diag, descending=True) if act_order else torch.arange(k, device=H.device)
-    backwards = perm.flip(0)
-    reversed_h = H.to(torch.float32)[backwards.unsqueeze(1), backwards]  # P H P in the visiting order
-    reversed_h.diagonal()[dead[backwards]] = 1.0
-    U, used_damp, retries, ridge = _inverse_cholesky(reversed_h, damp)
+    U, used_damp, retries, ridge = _inverse_cholesky(H, perm, dead, damp)
     return HessianFactor(U, perm, dead, ridge, GptqInfo(used_damp, retries, int(dead.sum())))
 
 
-def _inverse_cholesky(reversed_h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, int, float]:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for H given reversed (P H P, P the reversal),
-    after adding the ridge damp * mean(diag H) to the diagonal; retries with 10x the damping when
-    H is not positive definite. Returns (U, the damping used, the retries, the ridge added).
+def _reversed(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """P H P in fp32 for visiting order ``perm`` (P the reversal of that order), dead columns'
+    diagonal 1: a new matrix."""
+    backwards = perm.flip(0)
+    reversed_h = H.to(torch.float32)[backwards.unsqueeze(1), backwards]
+    reversed_h.diagonal()[dead[backwards]] = 1.0
+    return reversed_h
 
-    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one triangular
-    inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at once besides
-    the inverse's temporaries."""
-    mean_diag = torch.mean(torch.diag(reversed_h).flip(0)).item() or 1.0
+
+def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
+                      damp: float) -> tuple[torch.Tensor, float, int, float]:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for H [K, K] visited in order ``perm`` (dead
+    columns' diagonal taken as 1), after adding the ridge damp * mean(diag H) to the diagonal;
+    retries with 10x the damping when H is not positive definite. Returns (U, the damping used,
+    the retries, the ridge added).
+
+    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation, in place, and one
+    triangular inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at
+    once besides H and the inverse's temporaries."""
+    mean_diag = None
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
-        damped = reversed_h.clone()
+        damped = _reversed(H, perm, dead)  # made anew for each try: a failed factorisation overwrites it
+        if mean_diag is None:
+            mean_diag = torch.mean(torch.diag(damped).flip(0)).item() or 1.0
         damped.diagonal().add_(d * mean_diag)
-        L, info = torch.linalg.cholesky_ex(damped)
+        L, info = torch.linalg.cholesky_ex(damped, out=(damped, torch.empty((), dtype=torch.int32, device=H.device)))
         del damped
         if info.item() == 0:
             if retry:
