@@ -1,6 +1,6 @@
 """What a decoder layer sees: forward hooks that capture the calibration windows' inputs to the
-first layer, group a layer's linears by shared input, and feed a linear's inputs to a statistic.
-Every capture stops its forward pass as soon as it has what it needs."""
+first layer and feed a linear's inputs to a statistic. Every capture stops its forward pass as
+soon as it has what it needs."""
 
 from __future__ import annotations
 
@@ -81,41 +81,26 @@ def capture_inputs(model, layers, windows: torch.Tensor, all_samples: bool, devi
     return (hidden if all_samples else None), captured["kwargs"]
 
 
-def linear_steps(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: set[str]) -> list[list[str]]:
-    """The layer's quantized linears in call order, grouped into steps of linears that receive
-    the very same input tensor (identity, not address: a freed input's address can be reused)."""
-    calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps them alive and distinct
-    hooks = [m.register_forward_pre_hook(lambda m, a, n=name: calls.append((n, a[0])))
-             for name, m in layer.named_modules() if name in wanted]
-    try:
-        with torch.inference_mode():
-            layer(x, **kwargs)
-    finally:
-        for hk in hooks:
-            hk.remove()
-    steps: list[list[str]] = []
-    last_input = None
-    for name, inp in calls:
-        if steps and inp is last_input and name not in steps[-1]:
-            steps[-1].append(name)
-        elif not any(name in s for s in steps):
-            steps.append([name])
-        last_input = inp
-    return steps
+Keep = Callable[[int, torch.Tensor], None]  # (window, a linear's input of it)
 
 
-def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int, cache: OutputCache | None = None) -> None:
+def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int, cache: OutputCache | None = None,
+         keep: Keep | None = None) -> None:
     """Call ``run_window(s)`` for each window s (``cache`` told which), giving ``target``'s input
-    to ``acc`` and stopping each forward as soon as it has."""
+    to ``acc`` (and to ``keep``) and stopping each forward as soon as it has."""
+    window = [0]
 
     def hook(module, args):
         acc.add(args[0])
+        if keep is not None:
+            keep(window[0], args[0])
         raise _Stop
 
     handle = target.register_forward_pre_hook(hook)
     try:
         with torch.inference_mode():
             for s in range(count):
+                window[0] = s
                 if cache is not None:
                     cache.window = s
                 try:
@@ -127,12 +112,13 @@ def feed(target: torch.nn.Module, acc: Accumulator, run_window, count: int, cach
 
 
 def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, method, device: str = "cpu",
-               cache: OutputCache | None = None) -> Accumulator:
+               cache: OutputCache | None = None, keep: Keep | None = None) -> Accumulator:
     """``method``'s statistic of the step's shared input over every window (``hidden`` on the
-    CPU, the layer on ``device``; ``cache``: the layer's finished linears' outputs)."""
+    CPU, the layer on ``device``; ``cache``: the layer's finished linears' outputs; ``keep``
+    also gets each window's input)."""
     first = layer.get_submodule(step[0])
     acc = method.accumulator(linear_dims(first)[1], device)
-    feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0], cache)
+    feed(first, acc, lambda s: layer(hidden[s:s + 1].to(device), **kwargs), hidden.shape[0], cache, keep)
     return acc
 
 

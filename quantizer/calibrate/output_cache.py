@@ -1,8 +1,9 @@
-"""A layer's finished parts answered from memory: once a step's linears are quantized, their
-outputs, and those of every module all of whose linears are quantized (the attention once its
-output projection is), no longer change. The first pass over the windows after that keeps them,
-and every later pass (the next steps' captures, the replay of the layer) reads them instead of
-computing them again. What does not fit the budget is computed each time, as without the cache;
+"""A layer's finished parts answered from memory: once the linears called before a module returns
+are quantized (none, for the first norm; the attention's, for the attention and the norm after
+it), its output no longer changes. The first pass over the windows after that keeps it, and every
+later pass (the next steps' captures, the replay of the layer) reads it instead of computing it
+again. Which modules qualify, and after which linears, comes from a trace of the layer
+(:mod:`.trace`). What does not fit the budget is computed each time, as without the cache;
 the values are the same either way. While it is open, the layer's attention is also computed
 once per window (:mod:`.attention_memo`), within the same budget."""
 
@@ -28,16 +29,19 @@ def output_cache_budget(hidden: torch.Tensor) -> int:
 class OutputCache:
     """Outputs of ``layer``'s finished modules for each of ``windows`` windows of ``tokens``
     tokens, at most ``budget_bytes`` in all (on the CPU). ``linears``: the names of the layer's
-    linears that will be quantized; every other module of the layer counts as finished from the
-    start. The driver sets :attr:`window` to the window each forward runs. A context manager:
-    on leaving, the modules get their own forward back and the outputs are dropped."""
+    linears that will be quantized; ``settles``: the modules that may be kept -> the linears that
+    must be quantized first (:attr:`.trace.LayerTrace.settles`). The driver sets :attr:`window`
+    to the window each forward runs. A context manager: on leaving, the modules get their own
+    forward back and the outputs are dropped."""
 
-    def __init__(self, layer: torch.nn.Module, linears: set[str], windows: int, tokens: int, budget_bytes: int):
+    def __init__(self, layer: torch.nn.Module, linears: set[str], windows: int, tokens: int, budget_bytes: int,
+                 settles: dict[str, frozenset[str]]):
         self.layer, self.windows, self.tokens, self.budget = layer, windows, tokens, budget_bytes
-        self._pending = set(linears)
+        self._linears, self._pending, self._settles = set(linears), set(linears), settles
         self._outputs: dict[str, list] = {}  # module -> its output per window (None: not kept)
         self.used_bytes = 0
-        self.memo = AttentionMemo(self._reserve)
+        self.memo = AttentionMemo(self.reserve)
+        self._answer_settled(set())
 
     @property
     def window(self) -> int:
@@ -54,15 +58,24 @@ class OutputCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def finish(self, names: list[str]) -> None:
-        """The linears ``names`` are quantized: keep their outputs, and those of every module of
-        the layer that has no linear left to quantize, as far as the budget allows."""
+    def finish(self, names: list[str], keep_outputs: bool = True) -> None:
+        """The linears ``names`` are quantized: keep the outputs of every module this settles, as
+        far as the budget allows; unless not ``keep_outputs``, those of the modules that hold one
+        of ``names`` too (the replay does without them)."""
         self._pending -= set(names)
         self._drop_inside_complete()
-        if not self._pending:
-            return  # what remains is the replay, the last pass
-        for name, module in self.layer.named_modules():
-            if name and name not in self._outputs and self._is_finished(name) and self._holds_a_finished(name, names):
+        if self._pending:  # else what remains is the replay, the last pass
+            self._answer_settled(set() if keep_outputs else set(names))
+
+    def _answer_settled(self, skip: set[str]) -> None:
+        """Answer from memory every settled module not yet answered, not inside one that is, and
+        holding none of ``skip``."""
+        finished = self._linears - self._pending
+        for name, needs in sorted(self._settles.items(), key=lambda item: item[0].count(".")):  # outer first
+            inside_answered = any(name.startswith(other + ".") for other in self._outputs)
+            if (name not in self._outputs and not inside_answered and needs <= finished
+                    and self._is_finished(name) and not self._holds_a_finished(name, skip)):
+                module = self.layer.get_submodule(name)
                 self._outputs[name] = [None] * self.windows
                 module.forward = self._answering(name, module.forward)
 
@@ -73,7 +86,8 @@ class OutputCache:
         self.memo.__exit__(None, None, None)
         self.used_bytes = 0
 
-    def _reserve(self, size: int) -> bool:
+    def reserve(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit the budget; if they do, they are counted from now on."""
         if self.used_bytes + size > self.budget:
             return False
         self.used_bytes += size
@@ -83,7 +97,7 @@ class OutputCache:
         return not any(p == name or p.startswith(name + ".") for p in self._pending)
 
     @staticmethod
-    def _holds_a_finished(name: str, names: list[str]) -> bool:
+    def _holds_a_finished(name: str, names: set[str]) -> bool:
         return any(n == name or n.startswith(name + ".") for n in names)
 
     def _drop_inside_complete(self) -> None:
@@ -108,7 +122,7 @@ class OutputCache:
             if outs[s] is not None and first is not None:
                 return _copy(outs[s], first.device)
             y = compute(*args, **kwargs)
-            if first is not None and _storable(y) and self._reserve(nbytes(y)):
+            if first is not None and _storable(y) and self.reserve(nbytes(y)):
                 outs[s] = _copy(y, "cpu")
             return y
         return forward

@@ -22,6 +22,7 @@ the calibration activations (nsamples / world_size x seqlen x hidden fp32).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from ..calibrate import state as calib_state
 from ..calibrate.capture import Accumulator
 from ..calibrate.output_cache import OutputCache, output_cache_budget
 from ..calibrate.ranks import SINGLE, Ranks
+from ..calibrate.replay_inputs import ReplayInputs, replay_inputs
+from ..calibrate.trace import trace_layer
 from ..errors import InputError
 from ..io.checkpoint import CheckpointReader
 from ..io.shards import ShardWriter, TensorSpec, file_specs
@@ -127,12 +130,9 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         layer_start = time.perf_counter()
         prefix = f"{layers_name}.{i}"
         _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
-        with OutputCache(layers[i], _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
-                         output_cache_budget(hidden)) as cache:
-            importance: dict[str, tuple[torch.Tensor, int]] = {}
-            out_tensors = _quantize_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor, ranks, cache,
-                                          importance)
-            hidden, as_tuple = _replay_layer(layers[i], hidden, kwargs, ranks.device, cache)
+        importance: dict[str, tuple[torch.Tensor, int]] = {}
+        out_tensors, hidden, as_tuple = _calibrate_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor,
+                                                         ranks, importance)
         for name in plan.reader.infos if ranks.is_main else ():
             if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
                 out_tensors[name] = plan.reader.get(name)
@@ -206,16 +206,34 @@ def _record(plan, module: str, shape, q, stats: dict, per_tensor: dict) -> dict[
     return tensors
 
 
-def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict, ranks: Ranks = SINGLE,
-                    cache: OutputCache | None = None, importance: dict | None = None) -> dict[str, torch.Tensor]:
-    """Quantize the layer's target linears step by step, leaving their dequantized weights in
+def _calibrate_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor: dict, ranks: Ranks,
+                     importance: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor, bool]:
+    """Quantize the layer on the windows' inputs ``hidden``: (its checkpoint tensors on rank 0,
+    the quantized layer's outputs for every window, whether the layer returns a tuple). Its
+    finished parts are answered from memory (within the budget) and its replay reads the last
+    step's inputs where the trace shows that this gives its own outputs."""
+    first = hidden[:1].to(ranks.device)
+    trace = trace_layer(layer, first, kwargs, _layer_targets(plan, prefix))
+    with OutputCache(layer, _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
+                     output_cache_budget(hidden), trace.settles) as cache:
+        replay = replay_inputs(layer, trace, first, kwargs, hidden.shape[0], cache.reserve)
+        out_tensors = _quantize_layer(plan, method, layer, prefix, trace.steps, hidden, kwargs, per_tensor, ranks,
+                                      cache, importance, replay)
+        outputs, as_tuple = _replay_layer(layer, hidden, kwargs, ranks.device, cache, replay)
+    return out_tensors, outputs, as_tuple
+
+
+def _quantize_layer(plan, method, layer, prefix: str, steps: list[list[str]], hidden, kwargs, per_tensor: dict,
+                    ranks: Ranks = SINGLE, cache: OutputCache | None = None, importance: dict | None = None,
+                    replay: ReplayInputs | None = None) -> dict[str, torch.Tensor]:
+    """Quantize the layer's target linears ``steps`` by step, leaving their dequantized weights in
     place for the later steps; returns their checkpoint tensors (on rank 0) and puts each one's
-    input statistic into ``importance``. The ranks sum each step's statistic, split its linears
-    between them, and share the solved weights."""
-    wanted = _layer_targets(plan, prefix)
+    input statistic into ``importance``; ``replay`` keeps the last step's inputs. The ranks sum
+    each step's statistic, split its linears between them, and share the solved weights."""
     out_tensors: dict[str, torch.Tensor] = {}
-    for step in capture.linear_steps(layer, hidden[:1].to(ranks.device), kwargs, wanted):
-        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device, cache)
+    for step in steps:
+        keep = replay.keep if replay is not None and step is steps[-1] else None
+        acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device, cache, keep)
         if ranks.distributed:
             acc.merge(ranks.sum_)
         if importance is not None:
@@ -236,7 +254,7 @@ def _quantize_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tensor
             # a transpose is its own inverse; dequantized in fp32 and rounded once to the layer's dtype
             linear.weight.data = plan.linear_weight(module, q.dequantize(linear.weight.dtype))
         if cache is not None:
-            cache.finish(step)
+            cache.finish(step, keep_outputs=replay is None or step is not steps[-2])
     return out_tensors
 
 
@@ -245,16 +263,18 @@ def _layer_targets(plan: QuantizationPlan, prefix: str) -> set[str]:
     return {m[len(prefix) + 1:] for m in plan.targets if m.startswith(prefix + ".")}
 
 
-def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu",
-                  cache: OutputCache | None = None) -> tuple[torch.Tensor, bool]:
-    """The (quantized) layer's outputs for every window (kept on the CPU), and whether the layer returns a tuple."""
+def _replay_layer(layer, hidden: torch.Tensor, kwargs: dict, device: str = "cpu", cache: OutputCache | None = None,
+                  replay: ReplayInputs | None = None) -> tuple[torch.Tensor, bool]:
+    """The (quantized) layer's outputs for every window (kept on the CPU), and whether the layer
+    returns a tuple; ``replay``: the last step's inputs, where kept."""
     hidden_out = torch.empty_like(hidden)
     as_tuple = False
     with torch.inference_mode():
         for s in range(hidden.shape[0]):
             if cache is not None:
                 cache.window = s
-            out = layer(hidden[s:s + 1].to(device), **kwargs)
+            with replay.substituting(s) if replay is not None else contextlib.nullcontext():
+                out = layer(hidden[s:s + 1].to(device), **kwargs)
             as_tuple = isinstance(out, tuple)
             hidden_out[s:s + 1] = capture.hidden_of(out)
     return hidden_out, as_tuple

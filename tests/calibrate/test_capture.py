@@ -5,6 +5,7 @@ import json
 import torch
 
 import quantizer.calibrate.capture as capture
+from quantizer.calibrate.trace import trace_layer
 from quantizer.io.checkpoint import CheckpointReader
 from quantizer.quantize.layerwise import _materialize as materialize
 from quantizer.io.structure import build_empty_model
@@ -23,7 +24,7 @@ def test_steps_group_linears_by_shared_input_in_call_order(tiny_model_tok):
     hidden, kwargs = capture.capture_inputs(model, model.model.layers, windows, all_samples=True)
     wanted = {n for step in STEPS for n in step}
     for _ in range(5):  # the allocator must not be able to make two inputs look alike
-        assert capture.linear_steps(layer, hidden[:1], kwargs, wanted) == STEPS
+        assert trace_layer(layer, hidden[:1], kwargs, wanted).steps == STEPS
 
 
 def test_feed_gives_the_statistic_each_window_and_stops_there():

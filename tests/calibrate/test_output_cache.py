@@ -47,7 +47,8 @@ def test_cached_outputs_give_the_same_checkpoint_with_fewer_products(tiny_model_
 
 def test_a_module_whose_outputs_do_not_fit_is_computed_each_time():
     layer = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 8), "b": torch.nn.Linear(4, 64), "c": torch.nn.Linear(4, 4)})
-    cache = output_cache.OutputCache(layer, {"a", "b", "c"}, windows=2, tokens=3, budget_bytes=4 * 2 * 3 * 8)
+    cache = output_cache.OutputCache(layer, {"a", "b", "c"}, windows=2, tokens=3, budget_bytes=4 * 2 * 3 * 8,
+                                     settles={n: frozenset(n) for n in "abc"})
     cache.finish(["a", "b"])
     x, zeros = torch.randn(1, 3, 4), torch.zeros(1, 3, 4)
     first = layer["a"](x)
@@ -72,7 +73,10 @@ def test_a_module_with_every_linear_finished_is_answered_and_its_linears_let_go(
             return self.o(torch.softmax(self.q(x) * scale, -1)), None
 
     layer = torch.nn.ModuleDict({"attn": Attention(), "mlp": torch.nn.Linear(4, 4)})
-    cache = output_cache.OutputCache(layer, {"attn.q", "attn.o", "mlp"}, windows=1, tokens=3, budget_bytes=10**6)
+    linears = ("attn.q", "attn.o", "mlp")
+    settles = {"attn.q": frozenset(linears[:1]), "attn.o": frozenset(linears[:2]), "attn": frozenset(linears[:2]),
+               "mlp": frozenset(linears)}
+    cache = output_cache.OutputCache(layer, set(linears), windows=1, tokens=3, budget_bytes=10**6, settles=settles)
     x = torch.randn(1, 3, 4)
     cache.finish(["attn.q"])
     assert "forward" not in vars(layer["attn"])  # its o is still to be quantized

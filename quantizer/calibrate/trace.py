@@ -1,0 +1,93 @@
+"""What one window's forward shows about a decoder layer: its quantized linears grouped into steps
+of linears that share an input, in call order; when each module's output becomes final; and the
+window's values that :mod:`.replay_inputs` checks against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerTrace:
+    """``steps``: the wanted linears' names by shared input, in call order. ``settles``: each
+    module whose output may be kept once final -> the wanted linears that must be quantized
+    first (those called before it returns). ``output``: the layer's hidden output for the
+    window; ``inputs`` / ``outputs``: each wanted linear's."""
+
+    steps: list[list[str]]
+    settles: dict[str, frozenset[str]]
+    output: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, object]
+
+
+def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: set[str]) -> LayerTrace:
+    """Run ``layer`` on one window ``x`` and record its :class:`LayerTrace`.
+
+    A module may be kept (appears in ``settles``) where it is called once a forward and either
+    holds a wanted linear, or holds none and returns one tensor no larger than the layer's input
+    (a norm, say: recomputed by every pass, cheap to keep; an MLP's activation is several times
+    larger and is called once more only)."""
+    events: list[tuple[str, str]] = []  # ("enter" | "exit", module), in call order
+    calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps them alive and distinct
+    inputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, object] = {}
+    small: set[str] = set()  # modules whose output is one tensor no larger than the layer's input
+
+    def entered(module, args, name):
+        events.append(("enter", name))
+        if name in wanted and args:
+            calls.append((name, args[0]))
+            inputs.setdefault(name, args[0].clone())
+
+    def exited(module, args, out, name):
+        events.append(("exit", name))
+        if name in wanted:
+            outputs.setdefault(name, out)
+        if isinstance(out, torch.Tensor) and out.numel() <= x.numel():
+            small.add(name)
+
+    hooks = []
+    for name, module in layer.named_modules():
+        if name:
+            hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: entered(m, a, n)))
+            hooks.append(module.register_forward_hook(lambda m, a, out, n=name: exited(m, a, out, n)))
+    try:
+        with torch.inference_mode():
+            out = layer(x, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    hidden = out[0] if isinstance(out, tuple) else out
+    return LayerTrace(_steps(calls), _settles(events, wanted, small), hidden, inputs, outputs)
+
+
+def _steps(calls: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
+    """Linears that receive the very same input tensor (identity, not address: a freed input's
+    address can be reused) in consecutive calls form one step."""
+    steps: list[list[str]] = []
+    last_input = None
+    for name, inp in calls:
+        if steps and inp is last_input and name not in steps[-1]:
+            steps[-1].append(name)
+        elif not any(name in s for s in steps):
+            steps.append([name])
+        last_input = inp
+    return steps
+
+
+def _settles(events: list[tuple[str, str]], wanted: set[str], small: set[str]) -> dict[str, frozenset[str]]:
+    entered_linears: list[str] = []
+    counts: dict[str, int] = {}
+    settles: dict[str, frozenset[str]] = {}
+    for kind, name in events:
+        if kind == "enter":
+            counts[name] = counts.get(name, 0) + 1
+            if name in wanted:
+                entered_linears.append(name)
+        else:
+            settles.setdefault(name, frozenset(entered_linears))
+    return {name: needs for name, needs in settles.items()
+            if counts[name] == 1 and (name in small or any(n == name or n.startswith(name + ".") for n in wanted))}
