@@ -8,7 +8,7 @@ wrapped from outside, not changed) and prints, per phase, the wall time, the flo
 operations counted by formula and the achieved rate as a fraction of an fp32 GEMM (and a bf16
 one) timed here on the same threads, before and after the run:
 
-- forward: the calibration passes through the layers (each ``nn.Linear`` product computed,
+- forward: the calibration passes through the layers and their traces (each ``nn.Linear`` product computed,
   2·rows·in·out; attention and norms are not counted, so this rate is a lower bound);
 - hessian: the statistic's updates, 2·n·K² per batch of n rows as a GEMM would do them;
 - factorisation: the upper Cholesky factor of H⁻¹, counted as K³ per solve (a Cholesky and a
@@ -97,6 +97,8 @@ def instrument(clock: Clock) -> None:
     capture.accumulate = clock.timed("forward", capture.accumulate)
     capture.head_statistic = clock.timed("forward", capture.head_statistic)
     layerwise._replay_layer = clock.timed("forward", layerwise._replay_layer)
+    layerwise.trace_layer = clock.timed("forward", layerwise.trace_layer)
+    layerwise.replay_inputs = clock.timed("forward", layerwise.replay_inputs)
     gptq.HessianAccumulator.add = clock.timed("hessian", gptq.HessianAccumulator.add, _hessian_flops)
     gptq._inverse_cholesky = clock.timed("factorisation", gptq._inverse_cholesky, _factor_flops)
     gptq._solve_rows = clock.timed("column loop", gptq._solve_rows, _loop_flops)

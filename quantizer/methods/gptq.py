@@ -151,17 +151,17 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
     retries with 10x the damping when H is not positive definite. Returns (U, the damping used,
     the retries, the ridge added).
 
-    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation, in place, and one
+    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one
     triangular inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at
     once besides H and the inverse's temporaries."""
     mean_diag = None
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
-        damped = _reversed(H, perm, dead)  # made anew for each try: a failed factorisation overwrites it
+        damped = _reversed(H, perm, dead)  # made anew for each try, and let go once factorised
         if mean_diag is None:
             mean_diag = torch.mean(torch.diag(damped).flip(0)).item() or 1.0
         damped.diagonal().add_(d * mean_diag)
-        L, info = torch.linalg.cholesky_ex(damped, out=(damped, torch.empty((), dtype=torch.int32, device=H.device)))
+        L, info = torch.linalg.cholesky_ex(damped)
         del damped
         if info.item() == 0:
             if retry:

@@ -212,10 +212,10 @@ def _calibrate_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tenso
     the quantized layer's outputs for every window, whether the layer returns a tuple). Its
     finished parts are answered from memory (within the budget) and its replay reads the last
     step's inputs where the trace shows that this gives its own outputs."""
-    first = hidden[:1].to(ranks.device)
-    trace = trace_layer(layer, first, kwargs, _layer_targets(plan, prefix))
-    with OutputCache(layer, _layer_targets(plan, prefix), hidden.shape[0], hidden.shape[1],
-                     output_cache_budget(hidden), trace.settles) as cache:
+    first, targets = hidden[:1].to(ranks.device), _layer_targets(plan, prefix)
+    trace = trace_layer(layer, first, kwargs, targets)
+    with OutputCache(layer, targets, hidden.shape[0], hidden.shape[1], output_cache_budget(hidden),
+                     trace.settles) as cache:
         replay = replay_inputs(layer, trace, first, kwargs, hidden.shape[0], cache.reserve)
         out_tensors = _quantize_layer(plan, method, layer, prefix, trace.steps, hidden, kwargs, per_tensor, ranks,
                                       cache, importance, replay)
