@@ -20,6 +20,11 @@ eight hidden vectors of bf16 a token: a Llama layer's attention output and its g
 at a hidden-to-intermediate ratio of 3/8; a wider MLP has part of them computed again."""
 
 
+def holds(module: str, names) -> bool:
+    """Whether the module named ``module`` is, or contains, one of the modules ``names``."""
+    return any(n == module or n.startswith(module + ".") for n in names)
+
+
 def output_cache_budget(hidden: torch.Tensor) -> int:
     """Bytes the cache of one layer may hold, for input activations ``hidden`` [S, T, H]:
     :data:`CACHE_TO_INPUT` times theirs (as fp32), and no more than half the memory available now."""
@@ -74,7 +79,7 @@ class OutputCache:
         for name, needs in sorted(self._settles.items(), key=lambda item: item[0].count(".")):  # outer first
             inside_answered = any(name.startswith(other + ".") for other in self._outputs)
             if (name not in self._outputs and not inside_answered and needs <= finished
-                    and self._is_finished(name) and not self._holds_a_finished(name, skip)):
+                    and not holds(name, self._pending) and not holds(name, skip)):
                 module = self.layer.get_submodule(name)
                 self._outputs[name] = [None] * self.windows
                 module.forward = self._answering(name, module.forward)
@@ -92,13 +97,6 @@ class OutputCache:
             return False
         self.used_bytes += size
         return True
-
-    def _is_finished(self, name: str) -> bool:
-        return not any(p == name or p.startswith(name + ".") for p in self._pending)
-
-    @staticmethod
-    def _holds_a_finished(name: str, names: set[str]) -> bool:
-        return any(n == name or n.startswith(name + ".") for n in names)
 
     def _drop_inside_complete(self) -> None:
         """Modules inside one whose outputs are kept for every window are no longer called, and

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .capture import hidden_of
+from .output_cache import holds
+
 
 @dataclass
 class LayerTrace:
@@ -60,8 +63,7 @@ def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: s
     finally:
         for hook in hooks:
             hook.remove()
-    hidden = out[0] if isinstance(out, tuple) else out
-    return LayerTrace(_steps(calls), _settles(events, wanted, small), hidden, inputs, outputs)
+    return LayerTrace(_steps(calls), _settles(events, wanted, small), hidden_of(out), inputs, outputs)
 
 
 def _steps(calls: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
@@ -90,4 +92,4 @@ def _settles(events: list[tuple[str, str]], wanted: set[str], small: set[str]) -
         else:
             settles.setdefault(name, frozenset(entered_linears))
     return {name: needs for name, needs in settles.items()
-            if counts[name] == 1 and (name in small or any(n == name or n.startswith(name + ".") for n in wanted))}
+            if counts[name] == 1 and (name in small or holds(name, wanted))}
