@@ -244,14 +244,17 @@ def whole_model_hessians(src, windows, quantized, dtype=torch.bfloat16):
     """Reference: the full model in memory, in ``dtype`` (the calibration precision). Each step's
     Hessian is captured by running the *whole* model on every window, with the linears of earlier
     steps already replaced by the streamed run's quantized weights (so GPTQ's sensitivity to
-    rounding ties cannot make the two runs drift apart and hide a real difference in the inputs)."""
+    rounding ties cannot make the two runs drift apart and hide a real difference in the inputs).
+    It attends as calibration does (int4q's causal kernel where it runs)."""
     from transformers import AutoModelForCausalLM
 
+    from quantizer.calibrate.native_attention import use_causal_kernel
     from quantizer.formats.packing import unpack_nibbles
     from quantizer.methods.gptq import HessianAccumulator
     from quantizer.methods.grid import dequantize_codes
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    use_causal_kernel(model)
     hessians = {}
 
     def hessian_of(module):

@@ -33,6 +33,7 @@ import torch
 from ..calibrate import capture
 from ..calibrate import state as calib_state
 from ..calibrate.capture import Accumulator
+from ..calibrate.native_attention import use_causal_kernel
 from ..calibrate.output_cache import OutputCache, output_cache_budget
 from ..calibrate.ranks import SINGLE, Ranks
 from ..calibrate.replay_inputs import ReplayInputs, replay_inputs
@@ -111,6 +112,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
     model = build_empty_model(plan.source_config)
     if dtype == torch.float32:
         model.float()
+    use_causal_kernel(model)
     _buffers_to(model, ranks.device)
     layers_name, layers = decoder_layers(model)
     emb = model.get_input_embeddings()

@@ -3,6 +3,7 @@ with the very values they would have computed."""
 
 import torch
 
+import quantizer.calibrate.native_attention as native_attention
 import quantizer.calibrate.output_cache as output_cache
 import quantizer.quantize.layerwise as layerwise
 from quantizer.calibrate.windows import CalibrationSettings
@@ -21,12 +22,14 @@ def gptq_run(src, out, tokenizer):
 
 
 def counting_products(monkeypatch) -> tuple[list, list]:
-    """Calls of every linear, and of SDPA (the tiny Llama's attention)."""
+    """Calls of every linear, and of the tiny Llama's attention (int4q's causal kernel or SDPA)."""
     linears, attentions = [], []
     real, sdpa = torch.nn.Linear.forward, torch.nn.functional.scaled_dot_product_attention
+    native = native_attention.causal_attention
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: linears.append(1) or real(self, x))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: attentions.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(native_attention, "causal_attention", lambda *a: attentions.append(1) or native(*a))
     return linears, attentions
 
 

@@ -1,5 +1,6 @@
-// The int8 decode step's attention of torch.ops.int4q_native (decode_attention.c): attend_one, one
-// query over a bf16 KV cache in fp32. The library itself is defined in int4_ops.cpp.
+// The attention operators of torch.ops.int4q_native: attend_one (decode_attention.c), the int8 decode
+// step's one query over a bf16 KV cache in fp32, and causal_attention (causal_attention.c), a whole
+// sequence's causal attention from position 0. The library itself is defined in int4_ops.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -40,6 +41,67 @@ at::Tensor attend_one_meta(const at::Tensor &q, const at::Tensor &, const at::Te
     return at::empty_symint({1, 1, q.sym_size(1) * q.sym_size(3)}, q.options());
 }
 
+// q bf16 [B, H, T, D], k and v bf16 [B, Hkv, T, D] (any strides, D contiguous), H % Hkv == 0, D even ->
+// bf16 [B, T, H, D]: each query attends to the positions up to its own (causal_attention.c).
+at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double scale) {
+    TORCH_CHECK(int4q_causal_available(), "int4q_native::causal_attention: this CPU lacks AVX-512 BF16");
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                    v.scalar_type() == at::kBFloat16 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                "int4q_native::causal_attention: q, k and v must be bf16 [batch, heads, positions, dim]");
+    const int64_t batch = q.size(0), heads = q.size(1), length = q.size(2), dim = q.size(3), kv_heads = k.size(1);
+    TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == length && k.size(3) == dim &&
+                    kv_heads > 0 && heads % kv_heads == 0 && length > 0 && dim > 0 && dim % 2 == 0 && scale > 0,
+                "int4q_native::causal_attention: q [B, H, T, D] against k and v [B, Hkv, T, D] with H % Hkv == 0, "
+                "T > 0, D even and a positive scale; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+    const at::Tensor qc = q.stride(3) == 1 && q.stride(2) % 2 == 0 && q.storage_offset() % 2 == 0 ? q : q.contiguous();
+    const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous(), vc = v.stride(3) == 1 ? v : v.contiguous();
+    const int64_t key_stride = (length + CAUSAL_KEYS - 1) / CAUSAL_KEYS * CAUSAL_KEYS;
+    const int64_t value_stride = (dim + CAUSAL_DIMS - 1) / CAUSAL_DIMS * CAUSAL_DIMS, value_rows = (length + 1) / 2;
+    const int64_t key_words = dim / 2 * key_stride, value_words = value_rows * value_stride;
+    std::vector<uint32_t> keys(batch * kv_heads * key_words), values(batch * kv_heads * value_words);
+    const auto *kp = reinterpret_cast<const uint16_t *>(kc.data_ptr());
+    const auto *vp = reinterpret_cast<const uint16_t *>(vc.data_ptr());
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+        for (int64_t bh = first; bh < last; bh++) {
+            const int64_t b = bh / kv_heads, h = bh % kv_heads;
+            int4q_causal_pack_keys(kp + b * kc.stride(0) + h * kc.stride(1), kc.stride(2), length, dim, key_stride,
+                                   keys.data() + bh * key_words);
+            int4q_causal_pack_values(vp + b * vc.stride(0) + h * vc.stride(1), vc.stride(2), length, dim,
+                                     value_stride, values.data() + bh * value_words);
+        }
+    });
+    at::Tensor out = at::empty({batch, length, heads, dim}, q.options());
+    const auto *qp = reinterpret_cast<const uint16_t *>(qc.data_ptr());
+    auto *op = reinterpret_cast<uint16_t *>(out.data_ptr());
+    // A task is a block near the start and its mirror near the end, so that every task has about the
+    // same number of keys to visit whichever thread takes it.
+    const int64_t blocks = (length + CAUSAL_ROWS - 1) / CAUSAL_ROWS, pairs = (blocks + 1) / 2;
+    const int64_t group = heads / kv_heads;
+    at::parallel_for(0, batch * heads * pairs, 1, [&](int64_t first, int64_t last) {
+        std::vector<float> scores(CAUSAL_ROWS * key_stride), totals(CAUSAL_ROWS);
+        std::vector<uint16_t> weights(CAUSAL_ROWS * key_stride);
+        for (int64_t task = first; task < last; task++) {
+            const int64_t pair = task % pairs, bh = task / pairs, b = bh / heads, h = bh % heads;
+            const int64_t kv = b * kv_heads + h / group;
+            const int64_t mirror = blocks - 1 - pair;
+            for (int64_t block = pair; block <= mirror; block += std::max<int64_t>(1, mirror - pair)) {
+                const int64_t start = block * CAUSAL_ROWS, rows = std::min<int64_t>(CAUSAL_ROWS, length - start);
+                int4q_causal_block(qp + b * qc.stride(0) + h * qc.stride(1), qc.stride(2), start, rows, dim,
+                                   keys.data() + kv * key_words, key_stride, values.data() + kv * value_words,
+                                   value_stride, static_cast<float>(scale), scores.data(), weights.data(),
+                                   totals.data(), op + b * length * heads * dim + h * dim, heads * dim);
+            }
+        }
+    });
+    return out;
+}
+
+at::Tensor causal_attention_meta(const at::Tensor &q, const at::Tensor &, const at::Tensor &, double) {
+    return at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1), q.sym_size(3)}, q.options());
+}
+
+bool causal_attention_available() { return int4q_causal_available() != 0; }
+
 }  // namespace
 
 void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
@@ -55,6 +117,14 @@ void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
 
 TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
     m.def("attend_one(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+    m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+    m.def("causal_attention_available() -> bool", &causal_attention_available);
 }
-TORCH_LIBRARY_IMPL(int4q_native, CPU, m) { m.impl("attend_one", attend_one); }
-TORCH_LIBRARY_IMPL(int4q_native, Meta, m) { m.impl("attend_one", attend_one_meta); }
+TORCH_LIBRARY_IMPL(int4q_native, CPU, m) {
+    m.impl("attend_one", attend_one);
+    m.impl("causal_attention", causal_attention);
+}
+TORCH_LIBRARY_IMPL(int4q_native, Meta, m) {
+    m.impl("attend_one", attend_one_meta);
+    m.impl("causal_attention", causal_attention_meta);
+}

@@ -1,5 +1,6 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
- * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, decode_attention.c) to
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, decode_attention.c,
+ * causal_attention.c) to
  * their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp,
  * attention_ops.cpp), and the vector paths they choose between at run time. The sources may be
  * compiled as C or as C++; the interface has C linkage either way. */
@@ -85,6 +86,18 @@ void int4q_attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
                       int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
                       int64_t v_step, float scale, float *scratch, uint16_t *out, int64_t first, int64_t last);
 
+#define CAUSAL_ROWS 24 /* queries per task of int4q_causal_block */
+#define CAUSAL_KEYS 48 /* positions of the packed keys' stride come in multiples of this */
+#define CAUSAL_DIMS 32 /* dimensions of the packed values' stride come in multiples of this */
+int int4q_causal_available(void);
+void int4q_causal_block(const uint16_t *q, int64_t q_step, int64_t first, int64_t rows, int64_t dim,
+                        const uint32_t *keys, int64_t key_stride, const uint32_t *values, int64_t value_stride,
+                        float scale, float *scores, uint16_t *weights, float *totals, uint16_t *out,
+                        int64_t out_step);
+void int4q_causal_pack_keys(const uint16_t *k, int64_t k_step, int64_t positions, int64_t dim, int64_t key_stride,
+                            uint32_t *keys);
+void int4q_causal_pack_values(const uint16_t *v, int64_t v_step, int64_t positions, int64_t dim, int64_t value_stride,
+                              uint32_t *values);
 #define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
 #define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
 #define INT4Q_GRAM_ROWS 384  /* rows of C per block */
