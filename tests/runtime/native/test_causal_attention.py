@@ -50,13 +50,13 @@ def test_causal_attention_is_the_exact_attention_up_to_rounding(operator, batch,
     assert causal.within_rounding(got, q, k, v, dim**-0.5)
 
 
-def test_it_is_as_close_to_the_exact_attention_as_pytorchs_bf16_attention(operator):
+def test_it_is_the_exact_attention_rounded_once_nearly_everywhere_and_closer_than_pytorchs(operator):
     q, k, v = problem(1, 9, 3, 512, 64, seed=1)
     exact = causal.reference(q, k, v, 0.125)
-    ours = (operator(q, k, v, 0.125).double() - exact).abs().mean()
-    torchs = (F.scaled_dot_product_attention(q, k, v, scale=0.125, is_causal=True, enable_gqa=True)
-              .transpose(1, 2).double() - exact).abs().mean()
-    assert ours <= torchs * 1.1
+    ours = operator(q, k, v, 0.125).double()
+    torchs = F.scaled_dot_product_attention(q, k, v, scale=0.125, is_causal=True, enable_gqa=True).transpose(1, 2)
+    assert (ours == exact.to(torch.bfloat16).double()).double().mean() > 0.99
+    assert (ours - exact).abs().mean() < 0.95 * (torchs.double() - exact).abs().mean()
 
 
 def test_no_query_sees_a_later_position(operator):

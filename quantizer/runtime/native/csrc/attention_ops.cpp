@@ -79,7 +79,7 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
     const int64_t group = heads / kv_heads;
     at::parallel_for(0, batch * heads * pairs, 1, [&](int64_t first, int64_t last) {
         std::vector<float> scores(CAUSAL_ROWS * key_stride), totals(CAUSAL_ROWS);
-        std::vector<uint16_t> weights(CAUSAL_ROWS * key_stride);
+        std::vector<uint16_t> weights(2 * CAUSAL_ROWS * key_stride);
         for (int64_t task = first; task < last; task++) {
             const int64_t pair = task % pairs, bh = task / pairs, b = bh / heads, h = bh % heads;
             const int64_t kv = b * kv_heads + h / group;

@@ -1,7 +1,8 @@
 /* Causal attention of a whole sequence from position 0 (a prefill), bf16 in and out, fp32 inside:
- * out[i] = bf16(sum_{l <= i} bf16(p_il) v[l] / sum_{l <= i} p_il), p_il = exp(s_il - max_l s_il),
- * s_il = scale * q[i] . k[l]: every product exact, the sums fp32, the weights rounded to bf16 before
- * they multiply the values (as PyTorch's own bf16 flash attention does).
+ * out[i] = bf16(sum_{l <= i} p_il v[l] / sum_{l <= i} p_il), p_il = exp(s_il - max_l s_il),
+ * s_il = scale * q[i] . k[l]: every product exact and the sums fp32. Each weight meets the values as
+ * two bf16 numbers, its rounding and the rounding of what that leaves, so it carries 16 of fp32's
+ * 24 bits (PyTorch's own bf16 attention rounds it once, to 8).
  *
  * A task is one block of CAUSAL_ROWS queries of one head. Its scores come from the head's keys
  * packed as dimension pairs (word (p, l) holds k[l][2p] low, k[l][2p + 1] high, positions padded
@@ -71,9 +72,9 @@ BF16 static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* Row i's weights from its scores [0, i]: bf16(exp(scale (s - max))) into w[0, i], zeros into
- * w(i, width); returns their fp32 sum. */
-BF16 static float weigh_row(const float *s, int64_t i, int64_t width, float scale, uint16_t *w) {
+/* Row i's weights from its scores [0, i]: e = exp(scale (s - max)) as bf16(e) into high[0, i] and
+ * bf16(e - bf16(e)) into low[0, i], zeros into both up to `width`; returns the fp32 sum of e. */
+BF16 static float weigh_row(const float *s, int64_t i, int64_t width, float scale, uint16_t *high, uint16_t *low) {
     const int64_t n = i + 1;
     __m512 top = _mm512_set1_ps(-INFINITY);
     int64_t l = 0;
@@ -87,20 +88,23 @@ BF16 static float weigh_row(const float *s, int64_t i, int64_t width, float scal
         const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + l),
                                                                                    step, shift)));
         sums = _mm512_add_ps(sums, e);
-        _mm256_storeu_si256((__m256i *)(w + l), (__m256i)_mm512_cvtneps_pbh(e));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+        _mm256_storeu_si256((__m256i *)(high + l), rounded);
+        _mm256_storeu_si256((__m256i *)(low + l), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, widened)));
     }
     return _mm512_reduce_add_ps(sums);
 }
 
 /* Outputs of queries [r0, r0 + 12) of the block, dimensions [d0, d0 + 32), over position pairs
- * [0, pairs): sum_t w[r][t] . v[t][d], divided by the row's total and rounded. */
-BF16 static void value_tile(const uint32_t *w, int64_t w_step, int64_t rows, int64_t r0, const uint32_t *values,
-                            int64_t value_stride, int64_t pairs, int64_t d0, int64_t dim, const float *totals,
-                            uint16_t *out, int64_t out_step) {
+ * [0, pairs): sum_t (high[r][t] + low[r][t]) . v[t][d], divided by the row's total and rounded. */
+BF16 static void value_tile(const uint32_t *high, const uint32_t *low, int64_t w_step, int64_t rows, int64_t r0,
+                            const uint32_t *values, int64_t value_stride, int64_t pairs, int64_t d0, int64_t dim,
+                            const float *totals, uint16_t *out, int64_t out_step) {
     __m512 acc[VALUE_ROWS][2];
-    const uint32_t *row[VALUE_ROWS];
+    int64_t row[VALUE_ROWS];
     for (int r = 0; r < VALUE_ROWS; r++) {
-        row[r] = w + (r0 + r < rows ? r0 + r : rows - 1) * w_step;
+        row[r] = (r0 + r < rows ? r0 + r : rows - 1) * w_step;
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     }
     for (int64_t t = 0; t < pairs; t++) {
@@ -109,9 +113,10 @@ BF16 static void value_tile(const uint32_t *w, int64_t w_step, int64_t rows, int
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(v + 16);
 #pragma GCC unroll 12
         for (int r = 0; r < VALUE_ROWS; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)row[r][t]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)high[row[r] + t]);
+            const __m512bh c = (__m512bh)_mm512_set1_epi32((int)low[row[r] + t]);
+            acc[r][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][0], c, b0), a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][1], c, b1), a, b1);
         }
     }
     for (int r = 0; r < VALUE_ROWS && r0 + r < rows; r++) {
@@ -142,7 +147,7 @@ int int4q_causal_available(void) {
  * q_step elements apart; keys packed [dim / 2][key_stride] (key_stride a multiple of CAUSAL_KEYS,
  * at least first + rows rounded up to it); values packed [positions rounded up to even / 2]
  * [value_stride] (value_stride a multiple of CAUSAL_DIMS, at least dim); scratch: scores fp32
- * [CAUSAL_ROWS][key_stride], weights bf16 [CAUSAL_ROWS][key_stride], totals fp32 [CAUSAL_ROWS];
+ * [CAUSAL_ROWS][key_stride], weights bf16 [2][CAUSAL_ROWS][key_stride], totals fp32 [CAUSAL_ROWS];
  * out bf16 rows of `dim` at out_step elements apart. Only where int4q_causal_available(). */
 void int4q_causal_block(const uint16_t *q, int64_t q_step, int64_t first, int64_t rows, int64_t dim,
                         const uint32_t *keys, int64_t key_stride, const uint32_t *values, int64_t value_stride,
@@ -154,13 +159,14 @@ void int4q_causal_block(const uint16_t *q, int64_t q_step, int64_t first, int64_
     for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
         for (int64_t j0 = 0; j0 < width; j0 += CAUSAL_KEYS)
             score_tile(qw, q_step / 2, rows, r0, keys, key_stride, dim / 2, j0, scores, key_stride);
+    uint16_t *high = weights, *low = weights + CAUSAL_ROWS * key_stride;
     for (int64_t r = 0; r < rows; r++)
-        totals[r] = weigh_row(scores + r * key_stride, first + r, width, scale, weights + r * key_stride);
-    const uint32_t *ww = (const uint32_t *)weights;
+        totals[r] = weigh_row(scores + r * key_stride, first + r, width, scale, high + r * key_stride,
+                              low + r * key_stride);
     for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS)
         for (int64_t d0 = 0; d0 < dim; d0 += CAUSAL_DIMS)
-            value_tile(ww, key_stride / 2, rows, r0, values, value_stride, (end + 1) / 2, d0, dim, totals,
-                       out + first * out_step, out_step);
+            value_tile((const uint32_t *)high, (const uint32_t *)low, key_stride / 2, rows, r0, values, value_stride,
+                       (end + 1) / 2, d0, dim, totals, out + first * out_step, out_step);
 #else
     (void)q, (void)q_step, (void)first, (void)rows, (void)dim, (void)keys, (void)key_stride, (void)values,
         (void)value_stride, (void)scale, (void)scores, (void)weights, (void)totals, (void)out, (void)out_step;
