@@ -8,8 +8,10 @@ wrapped from outside, not changed) and prints, per phase, the wall time, the flo
 operations counted by formula and the achieved rate as a fraction of an fp32 GEMM (and a bf16
 one) timed here on the same threads, before and after the run:
 
-- forward: the calibration passes through the layers and their traces (each ``nn.Linear`` product computed,
-  2·rows·in·out; attention and norms are not counted, so this rate is a lower bound);
+- forward: the calibration passes through the layers and their traces, attention aside (each
+  ``nn.Linear`` product computed, 2·rows·in·out; norms are not counted, so this rate is a lower bound);
+- attention: int4q's causal kernel or PyTorch's SDPA, 2·T·T·D per head of T queries as causal
+  attention does it (half of the full products);
 - hessian: the statistic's updates, 2·n·K² per batch of n rows as a GEMM would do them;
 - factorisation: the upper Cholesky factor of H⁻¹, counted as K³ per solve (a Cholesky and a
   triangular inverse are K³/3 each; the rest of the work is counted as a third K³/3);
@@ -33,11 +35,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from quantizer.calibrate import capture  # noqa: E402
+from quantizer.calibrate import native_attention  # noqa: E402
 from quantizer.calibrate import state as calib_state  # noqa: E402
 from quantizer.calibrate.windows import CalibrationSettings  # noqa: E402
 from quantizer.memory import peak_rss_mb  # noqa: E402
@@ -47,7 +51,7 @@ from quantizer.quantize.planning import QuantizeOptions  # noqa: E402
 from quantizer.quantize.request import QuantizeRequest  # noqa: E402
 from quantizer.quantize.run import quantize_checkpoint  # noqa: E402
 
-PHASES = ("forward", "hessian", "factorisation", "column loop", "report", "io")
+PHASES = ("forward", "attention", "hessian", "factorisation", "column loop", "report", "io")
 
 
 class Clock:
@@ -77,6 +81,10 @@ def _hessian_flops(acc, x):
     return 2.0 * (x.numel() // x.shape[-1]) * x.shape[-1] ** 2
 
 
+def _attention_flops(q, k, *args, **kwargs):
+    return 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+
+
 def _factor_flops(H, *args, **kwargs):
     return float(H.shape[0]) ** 3
 
@@ -99,6 +107,8 @@ def instrument(clock: Clock) -> None:
     layerwise._replay_layer = clock.timed("forward", layerwise._replay_layer)
     layerwise.trace_layer = clock.timed("forward", layerwise.trace_layer)
     layerwise.replay_inputs = clock.timed("forward", layerwise.replay_inputs)
+    F.scaled_dot_product_attention = clock.timed("attention", F.scaled_dot_product_attention, _attention_flops)
+    native_attention.causal_attention = clock.timed("attention", native_attention.causal_attention, _attention_flops)
     gptq.HessianAccumulator.add = clock.timed("hessian", gptq.HessianAccumulator.add, _hessian_flops)
     gptq._inverse_cholesky = clock.timed("factorisation", gptq._inverse_cholesky, _factor_flops)
     gptq._solve_rows = clock.timed("column loop", gptq._solve_rows, _loop_flops)

@@ -81,10 +81,13 @@ def test_it_does_not_depend_on_the_thread_count(operator):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_strided_keys_and_values_give_what_contiguous_ones_do(operator):
+def test_strided_or_oddly_placed_inputs_give_what_contiguous_ones_do(operator):
     q, k, v = problem(1, 4, 2, 70, 32, seed=5)
     wide_k, wide_v = (torch.cat([t, t], dim=-1)[..., :32] for t in (k, v))
-    assert torch.equal(operator(q, wide_k, wide_v, 0.2), operator(q.contiguous(), k, v, 0.2))
+    odd_q = torch.cat([q, q], dim=-1)[..., 1:33]  # each query row starts at an odd element
+    want = operator(q.contiguous(), k, v, 0.2)
+    assert torch.equal(operator(q, wide_k, wide_v, 0.2), want)
+    assert torch.equal(operator(odd_q, k, v, 0.2), operator(odd_q.contiguous(), k, v, 0.2))
 
 
 def test_wrong_inputs_are_refused_with_a_message(operator):

@@ -41,6 +41,8 @@ at::Tensor attend_one_meta(const at::Tensor &q, const at::Tensor &, const at::Te
     return at::empty_symint({1, 1, q.sym_size(1) * q.sym_size(3)}, q.options());
 }
 
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 // q bf16 [B, H, T, D], k and v bf16 [B, Hkv, T, D] (any strides, D contiguous), H % Hkv == 0, D even ->
 // bf16 [B, T, H, D]: each query attends to the positions up to its own (causal_attention.c).
 at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double scale) {
@@ -53,11 +55,12 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
                     kv_heads > 0 && heads % kv_heads == 0 && length > 0 && dim > 0 && dim % 2 == 0 && scale > 0,
                 "int4q_native::causal_attention: q [B, H, T, D] against k and v [B, Hkv, T, D] with H % Hkv == 0, "
                 "T > 0, D even and a positive scale; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-    const at::Tensor qc = q.stride(3) == 1 && q.stride(2) % 2 == 0 && q.storage_offset() % 2 == 0 ? q : q.contiguous();
+    const bool word_aligned = q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && q.stride(2) % 2 == 0 &&
+                              q.storage_offset() % 2 == 0;  // the kernel reads each query as words of two values
+    const at::Tensor qc = q.stride(3) == 1 && word_aligned ? q : q.contiguous();
     const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous(), vc = v.stride(3) == 1 ? v : v.contiguous();
-    const int64_t key_stride = (length + CAUSAL_KEYS - 1) / CAUSAL_KEYS * CAUSAL_KEYS;
-    const int64_t value_stride = (dim + CAUSAL_DIMS - 1) / CAUSAL_DIMS * CAUSAL_DIMS, value_rows = (length + 1) / 2;
-    const int64_t key_words = dim / 2 * key_stride, value_words = value_rows * value_stride;
+    const int64_t key_stride = round_up(length, INT4Q_CAUSAL_KEYS), value_stride = round_up(dim, INT4Q_CAUSAL_DIMS);
+    const int64_t key_words = dim / 2 * key_stride, value_words = (length + 1) / 2 * value_stride;
     std::vector<uint32_t> keys(batch * kv_heads * key_words), values(batch * kv_heads * value_words);
     const auto *kp = reinterpret_cast<const uint16_t *>(kc.data_ptr());
     const auto *vp = reinterpret_cast<const uint16_t *>(vc.data_ptr());
@@ -75,17 +78,18 @@ at::Tensor causal_attention(const at::Tensor &q, const at::Tensor &k, const at::
     auto *op = reinterpret_cast<uint16_t *>(out.data_ptr());
     // A task is a block near the start and its mirror near the end, so that every task has about the
     // same number of keys to visit whichever thread takes it.
-    const int64_t blocks = (length + CAUSAL_ROWS - 1) / CAUSAL_ROWS, pairs = (blocks + 1) / 2;
+    const int64_t blocks = (length + INT4Q_CAUSAL_ROWS - 1) / INT4Q_CAUSAL_ROWS, pairs = (blocks + 1) / 2;
     const int64_t group = heads / kv_heads;
     at::parallel_for(0, batch * heads * pairs, 1, [&](int64_t first, int64_t last) {
-        std::vector<float> scores(CAUSAL_ROWS * key_stride), totals(CAUSAL_ROWS);
-        std::vector<uint16_t> weights(2 * CAUSAL_ROWS * key_stride);
+        std::vector<float> scores(INT4Q_CAUSAL_ROWS * key_stride), totals(INT4Q_CAUSAL_ROWS);
+        std::vector<uint16_t> weights(2 * INT4Q_CAUSAL_ROWS * key_stride);
         for (int64_t task = first; task < last; task++) {
             const int64_t pair = task % pairs, bh = task / pairs, b = bh / heads, h = bh % heads;
             const int64_t kv = b * kv_heads + h / group;
             const int64_t mirror = blocks - 1 - pair;
             for (int64_t block = pair; block <= mirror; block += std::max<int64_t>(1, mirror - pair)) {
-                const int64_t start = block * CAUSAL_ROWS, rows = std::min<int64_t>(CAUSAL_ROWS, length - start);
+                const int64_t start = block * INT4Q_CAUSAL_ROWS;
+                const int64_t rows = std::min<int64_t>(INT4Q_CAUSAL_ROWS, length - start);
                 int4q_causal_block(qp + b * qc.stride(0) + h * qc.stride(1), qc.stride(2), start, rows, dim,
                                    keys.data() + kv * key_words, key_stride, values.data() + kv * value_words,
                                    value_stride, static_cast<float>(scale), scores.data(), weights.data(),

@@ -4,13 +4,13 @@
  * two bf16 numbers, its rounding and the rounding of what that leaves, so it carries 16 of fp32's
  * 24 bits (PyTorch's own bf16 attention rounds it once, to 8).
  *
- * A task is one block of CAUSAL_ROWS queries of one head. Its scores come from the head's keys
- * packed as dimension pairs (word (p, l) holds k[l][2p] low, k[l][2p + 1] high, positions padded
- * to CAUSAL_KEYS), so that one vdpbf16ps of a broadcast query word with 16 words adds two
- * dimensions' products to 16 scores; its output from the values packed as position pairs (word
- * (t, d) holds v[2t][d] low, v[2t + 1][d] high, dimensions padded to CAUSAL_DIMS), so that a
- * broadcast word of two weights meets 16 dimensions. Only keys up to the block's last query are
- * visited.
+ * A task is one block of INT4Q_CAUSAL_ROWS queries of one head. Its scores come from the head's
+ * keys packed as dimension pairs (word (p, l) holds k[l][2p] low, k[l][2p + 1] high, positions
+ * padded to INT4Q_CAUSAL_KEYS), so that one vdpbf16ps of a broadcast query word with 16 words adds
+ * two dimensions' products to 16 scores; its output from the values packed as position pairs
+ * (word (t, d) holds v[2t][d] low, v[2t + 1][d] high, dimensions padded to INT4Q_CAUSAL_DIMS), so
+ * that a broadcast word of two weights meets 16 dimensions. Only keys up to the block's last query
+ * are visited.
  *
  * Needs AVX-512 F and BF16, checked at run time (int4q_causal_available); elsewhere the caller
  * uses PyTorch's attention. Registered as a PyTorch operator by attention_ops.cpp.
@@ -143,28 +143,29 @@ int int4q_causal_available(void) {
 #endif
 }
 
-/* Queries [first, first + rows) of one head (rows <= CAUSAL_ROWS): q bf16 rows of `dim` (even) at
- * q_step elements apart; keys packed [dim / 2][key_stride] (key_stride a multiple of CAUSAL_KEYS,
- * at least first + rows rounded up to it); values packed [positions rounded up to even / 2]
- * [value_stride] (value_stride a multiple of CAUSAL_DIMS, at least dim); scratch: scores fp32
- * [CAUSAL_ROWS][key_stride], weights bf16 [2][CAUSAL_ROWS][key_stride], totals fp32 [CAUSAL_ROWS];
- * out bf16 rows of `dim` at out_step elements apart. Only where int4q_causal_available(). */
+/* Queries [first, first + rows) of one head (rows <= INT4Q_CAUSAL_ROWS): q bf16 rows of `dim` (even)
+ * at q_step elements apart (even, as is q's offset); keys packed [dim / 2][key_stride] (key_stride a
+ * multiple of INT4Q_CAUSAL_KEYS, at least first + rows rounded up to it); values packed [positions
+ * rounded up to even / 2][value_stride] (value_stride a multiple of INT4Q_CAUSAL_DIMS, at least dim);
+ * scratch with R = INT4Q_CAUSAL_ROWS: scores fp32 [R][key_stride], weights bf16 [2][R][key_stride],
+ * totals fp32 [R]; out bf16 rows of `dim` at out_step elements apart. Only where
+ * int4q_causal_available(). */
 void int4q_causal_block(const uint16_t *q, int64_t q_step, int64_t first, int64_t rows, int64_t dim,
                         const uint32_t *keys, int64_t key_stride, const uint32_t *values, int64_t value_stride,
                         float scale, float *scores, uint16_t *weights, float *totals, uint16_t *out,
                         int64_t out_step) {
 #if INT4Q_X86
-    const int64_t end = first + rows, width = (end + CAUSAL_KEYS - 1) / CAUSAL_KEYS * CAUSAL_KEYS;
+    const int64_t end = first + rows, width = (end + INT4Q_CAUSAL_KEYS - 1) / INT4Q_CAUSAL_KEYS * INT4Q_CAUSAL_KEYS;
     const uint32_t *qw = (const uint32_t *)(q + first * q_step);
     for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
-        for (int64_t j0 = 0; j0 < width; j0 += CAUSAL_KEYS)
+        for (int64_t j0 = 0; j0 < width; j0 += INT4Q_CAUSAL_KEYS)
             score_tile(qw, q_step / 2, rows, r0, keys, key_stride, dim / 2, j0, scores, key_stride);
-    uint16_t *high = weights, *low = weights + CAUSAL_ROWS * key_stride;
+    uint16_t *high = weights, *low = weights + INT4Q_CAUSAL_ROWS * key_stride;
     for (int64_t r = 0; r < rows; r++)
         totals[r] = weigh_row(scores + r * key_stride, first + r, width, scale, high + r * key_stride,
                               low + r * key_stride);
     for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS)
-        for (int64_t d0 = 0; d0 < dim; d0 += CAUSAL_DIMS)
+        for (int64_t d0 = 0; d0 < dim; d0 += INT4Q_CAUSAL_DIMS)
             value_tile((const uint32_t *)high, (const uint32_t *)low, key_stride / 2, rows, r0, values, value_stride,
                        (end + 1) / 2, d0, dim, totals, out + first * out_step, out_step);
 #else

@@ -86,9 +86,9 @@ void int4q_attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
                       int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
                       int64_t v_step, float scale, float *scratch, uint16_t *out, int64_t first, int64_t last);
 
-#define CAUSAL_ROWS 24 /* queries per task of int4q_causal_block */
-#define CAUSAL_KEYS 48 /* positions of the packed keys' stride come in multiples of this */
-#define CAUSAL_DIMS 32 /* dimensions of the packed values' stride come in multiples of this */
+#define INT4Q_CAUSAL_ROWS 24 /* queries per task of int4q_causal_block */
+#define INT4Q_CAUSAL_KEYS 48 /* positions of the packed keys' stride come in multiples of this */
+#define INT4Q_CAUSAL_DIMS 32 /* dimensions of the packed values' stride come in multiples of this */
 int int4q_causal_available(void);
 void int4q_causal_block(const uint16_t *q, int64_t q_step, int64_t first, int64_t rows, int64_t dim,
                         const uint32_t *keys, int64_t key_stride, const uint32_t *values, int64_t value_stride,
