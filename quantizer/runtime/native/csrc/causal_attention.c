@@ -55,19 +55,15 @@ BF16 static void score_tile(const uint32_t *q, int64_t q_step, int64_t rows, int
         for (int v = 0; v < 3; v++) _mm512_storeu_ps(s + (r0 + r) * s_step + j0 + 16 * v, acc[r][v]);
 }
 
-/* e^x for x <= 0 (Cephes' expf polynomial after x = n ln2 + r); below -87.3 about 1e-38. */
+/* int4q.h's e^x for x <= 0, sixteen at a time. */
 BF16 static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(x, _mm512_set1_ps(INT4Q_EXPF_FLOOR));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(INT4Q_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_HIGH), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_LOW), r);
+    __m512 p = _mm512_set1_ps(int4q_expf_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(int4q_expf_poly[i]));
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
 }

@@ -37,6 +37,16 @@ static inline uint16_t int4q_float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* e^x for x <= 0 as Cephes' expf computes it (x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
+ * polynomial, times 2^n), for the vector kernels: x is first raised to INT4Q_EXPF_FLOOR, so the
+ * smallest result is about 1e-38; ln2 is split in two for an exact n ln2. */
+#define INT4Q_EXPF_FLOOR (-87.3f)
+#define INT4Q_LOG2E 1.44269504088896341f
+#define INT4Q_LN2_HIGH 0.693359375f
+#define INT4Q_LN2_LOW (-2.12194440e-4f)
+static const float int4q_expf_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if INT4Q_X86
 #include <immintrin.h>
 
