@@ -4,9 +4,10 @@ the whole window; transformers' SDPA attention for every other call.
 
 :data:`NAME` is registered with transformers' attention and mask interfaces (its masks are
 SDPA's, so a purely causal window comes without a mask). A call is plain causal when it has no
-mask, is causal, has as many queries as keys, no dropout, no position bias, no logit soft-cap,
-no attention sinks and no sliding window shorter than the window, and bf16 queries, keys and
-values of one even head dimension; any argument it does not know that is set sends it to SDPA.
+mask, is causal, has as many queries as keys, a positive scale, no dropout, no position bias, no
+logit soft-cap, no attention sinks and no sliding window shorter than the window, and bf16
+queries, keys and values of one even head dimension; any argument it does not know that is set
+sends it to SDPA.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def causal_or_sdpa(module, query, key, value, attention_mask, dropout: float = 0
                    is_causal: bool | None = None, **kwargs):
     """transformers' attention function contract: (output [B, T, H, D], None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if causal and attention_mask is None and not dropout and _plain(query, key, value, kwargs) \
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if causal and attention_mask is None and not dropout and scale > 0 and _plain(query, key, value, kwargs) \
             and has_causal_attention():
         calls["native"] += 1
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return causal_attention(query, key, value, scale), None
     calls["sdpa"] += 1
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

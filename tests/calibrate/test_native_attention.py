@@ -68,7 +68,8 @@ def test_a_sliding_window_shorter_than_the_window_goes_to_sdpa():
 
 @needs_kernel
 @pytest.mark.parametrize("change", [{"softcap": 30.0}, {"s_aux": torch.zeros(4)}, {"dropout": 0.1},
-                                    {"sliding_window": 5}, {"dtype": torch.float32}, {"is_causal": False}])
+                                    {"sliding_window": 5}, {"dtype": torch.float32}, {"is_causal": False},
+                                    {"scaling": -0.5}])
 def test_any_call_that_is_not_plain_causal_attention_is_sdpas(change):
     module = torch.nn.Module()
     gen = torch.Generator().manual_seed(4)
