@@ -15,12 +15,13 @@ Reserve = Callable[[int], bool]  # bytes -> whether they fit the budget (and are
 
 
 class AttentionMemo:
-    """The memo of one layer's attention, per window; ``reserve`` decides what fits.
-    The driver sets :attr:`window` to the window each forward runs. A context manager: the
-    attention functions are wrapped while it is open."""
+    """The memo of one layer's attention, per window; ``reserve`` decides what fits; the
+    attention of the modules whose ids are in ``skipped`` is never kept. The driver sets
+    :attr:`window` to the window each forward runs. A context manager: the attention functions
+    are wrapped while it is open."""
 
-    def __init__(self, reserve: Reserve):
-        self.window, self.reserve = 0, reserve
+    def __init__(self, reserve: Reserve, skipped: set[int] = frozenset()):
+        self.window, self.reserve, self.skipped = 0, reserve, skipped
         self._kept: dict[tuple[int, int], tuple] = {}  # (module id, window) -> (inputs, output)
         self._restore: list[tuple[dict, str, Callable]] = []
 
@@ -50,7 +51,8 @@ class AttentionMemo:
             if kept is not None and _same(kept[0], inputs):
                 return _copy(kept[1])
             out = compute(module, query, key, value, attention_mask, *args, **kwargs)
-            if query.shape[0] == 1 and kept is None and self.reserve(nbytes(inputs) + nbytes(out)):
+            if (query.shape[0] == 1 and kept is None and id(module) not in self.skipped
+                    and self.reserve(nbytes(inputs) + nbytes(out))):
                 self._kept[slot] = (_copy(inputs), _copy(out))
             return out
         return attention

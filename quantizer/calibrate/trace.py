@@ -1,6 +1,7 @@
 """What one window's forward shows about a decoder layer: its quantized linears grouped into steps
-of linears that share an input, in call order; when each module's output becomes final; and the
-window's values that :mod:`.replay_inputs` checks against."""
+of linears that share an input, in call order; when each module's output becomes final; which
+modules return a linear's output as their own; and the window's values that
+:mod:`.replay_inputs` checks against."""
 
 from __future__ import annotations
 
@@ -12,15 +13,30 @@ from .capture import hidden_of
 from .output_cache import holds
 
 
+@dataclass(frozen=True)
+class Returned:
+    """A module's output that is the output of its wanted linear ``linear``: that tensor itself
+    (``arity`` None), or the first of a tuple of ``arity`` whose others are None."""
+
+    linear: str
+    arity: int | None
+
+    def wrap(self, y: torch.Tensor):
+        """The module's output given its linear's output ``y``."""
+        return y if self.arity is None else (y, *[None] * (self.arity - 1))
+
+
 @dataclass
 class LayerTrace:
     """``steps``: the wanted linears' names by shared input, in call order. ``settles``: each
     module whose output may be kept once final -> the wanted linears that must be quantized
-    first (those called before it returns). ``output``: the layer's hidden output for the
-    window; ``inputs`` / ``outputs``: each wanted linear's."""
+    first (those called before it returns). ``returns``: each of those modules whose output is
+    a wanted linear's, unchanged. ``output``: the layer's hidden output for the window;
+    ``inputs`` / ``outputs``: each wanted linear's."""
 
     steps: list[list[str]]
     settles: dict[str, frozenset[str]]
+    returns: dict[str, Returned]
     output: torch.Tensor
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, object]
@@ -38,6 +54,7 @@ def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: s
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, object] = {}
     small: set[str] = set()  # modules whose output is one tensor no larger than the layer's input
+    returned: dict[str, Returned] = {}
 
     def entered(module, args, name):
         events.append(("enter", name))
@@ -49,6 +66,8 @@ def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: s
         events.append(("exit", name))
         if name in wanted:
             outputs.setdefault(name, out)
+        elif (found := _returned(out, outputs)) is not None:
+            returned.setdefault(name, found)
         if isinstance(out, torch.Tensor) and out.numel() <= x.numel():
             small.add(name)
 
@@ -63,7 +82,29 @@ def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: s
     finally:
         for hook in hooks:
             hook.remove()
-    return LayerTrace(_steps(calls), _settles(events, wanted, small), hidden_of(out), inputs, outputs)
+    settles = _settles(events, wanted, small)
+    returns = {name: r for name, r in returned.items()
+               if name in settles and _recomputes(layer.get_submodule(r.linear), inputs[r.linear], outputs[r.linear])}
+    return LayerTrace(_steps(calls), settles, returns, hidden_of(out), inputs, outputs)
+
+
+def _returned(out, outputs: dict[str, object]) -> Returned | None:
+    """Which wanted linear's output ``out`` is (by identity), as itself or as the first of a
+    tuple whose others are None; None where it is none's."""
+    first, arity = (out, None) if isinstance(out, torch.Tensor) else (None, None)
+    if isinstance(out, tuple) and out and all(o is None for o in out[1:]):
+        first, arity = out[0], len(out)
+    if not isinstance(first, torch.Tensor):
+        return None
+    return next((Returned(name, arity) for name, o in outputs.items() if o is first), None)
+
+
+def _recomputes(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``linear`` on its traced input gives its traced output as the module returned it
+    (a module that changed it in place does not return the linear's output)."""
+    with torch.inference_mode():
+        again = linear(x)
+    return again.dtype == out.dtype and again.shape == out.shape and torch.equal(again, out)
 
 
 def _steps(calls: list[tuple[str, torch.Tensor]]) -> list[list[str]]:

@@ -213,12 +213,14 @@ def _calibrate_layer(plan, method, layer, prefix: str, hidden, kwargs, per_tenso
     """Quantize the layer on the windows' inputs ``hidden``: (its checkpoint tensors on rank 0,
     the quantized layer's outputs for every window, whether the layer returns a tuple). Its
     finished parts are answered from memory (within the budget) and its replay reads the last
-    step's inputs where the trace shows that this gives its own outputs."""
+    step's inputs: through the module that returns their linear's output, or else where the
+    trace shows that this gives its own outputs."""
     first, targets = hidden[:1].to(ranks.device), _layer_targets(plan, prefix)
     trace = trace_layer(layer, first, kwargs, targets)
     with OutputCache(layer, targets, hidden.shape[0], hidden.shape[1], output_cache_budget(hidden),
-                     trace.settles) as cache:
-        replay = replay_inputs(layer, trace, first, kwargs, hidden.shape[0], cache.reserve)
+                     trace.settles, trace.returns) as cache:
+        replay = None if trace.steps and cache.answers_through(trace.steps[-1]) else \
+            replay_inputs(layer, trace, first, kwargs, hidden.shape[0], cache.reserve)
         out_tensors = _quantize_layer(plan, method, layer, prefix, trace.steps, hidden, kwargs, per_tensor, ranks,
                                       cache, importance, replay)
         outputs, as_tuple = _replay_layer(layer, hidden, kwargs, ranks.device, cache, replay)
@@ -234,7 +236,9 @@ def _quantize_layer(plan, method, layer, prefix: str, steps: list[list[str]], hi
     each step's statistic, split its linears between them, and share the solved weights."""
     out_tensors: dict[str, torch.Tensor] = {}
     for step in steps:
-        keep = replay.keep if replay is not None and step is steps[-1] else None
+        keep = cache.keeper(step) if cache is not None else None
+        if replay is not None and step is steps[-1]:
+            keep = replay.keep
         acc = capture.accumulate(layer, step, hidden, kwargs, method, ranks.device, cache, keep)
         if ranks.distributed:
             acc.merge(ranks.sum_)

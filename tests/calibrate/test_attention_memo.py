@@ -75,3 +75,14 @@ def test_a_forgotten_module_is_computed_again_and_its_bytes_given_back(counting)
         assert memo.forget(module) == reserved[0]
         attention(module, q, k, v, None)
     assert len(calls) == 2
+
+
+def test_a_skipped_modules_attention_is_never_kept(counting):
+    _, calls = counting
+    skipped, kept = torch.nn.Module(), torch.nn.Module()
+    with AttentionMemo(reserve=lambda n: True, skipped={id(skipped)}):
+        attention = ALL_ATTENTION_FUNCTIONS["int4q_test_counting"]
+        q, k, v = qkv()
+        for module in (skipped, skipped, kept, kept):
+            attention(module, q, k, v, None)
+    assert len(calls) == 3
