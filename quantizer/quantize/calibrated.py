@@ -11,6 +11,7 @@ from ..calibrate.ranks import SINGLE, Ranks
 from ..calibrate.state import fingerprint
 from ..calibrate.windows import CalibrationSettings, calibration_windows
 from ..errors import InputError
+from ..memory import heap_kept
 from ..methods import get_method
 from .layerwise import run_layerwise
 from .planning import QuantizationPlan
@@ -41,5 +42,6 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     if windows.shape[0] < ranks.world_size:
         raise InputError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world_size} "
                          "processes; raise --nsamples or start fewer processes")
-    return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks, step=step,
-                         dtype=s.dtype, keep_importance=keep_importance)
+    with heap_kept():
+        return run_layerwise(plan, out_dir, windows, method, fp, resume=resume, say=progress, ranks=ranks,
+                             step=step, dtype=s.dtype, keep_importance=keep_importance)

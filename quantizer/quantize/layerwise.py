@@ -42,7 +42,7 @@ from ..errors import InputError
 from ..io.checkpoint import CheckpointReader
 from ..io.shards import ShardWriter, TensorSpec, file_specs
 from ..io.structure import build_empty_model, decoder_layers
-from ..memory import peak_rss_mb, proc_status_mb, release_free_memory
+from ..memory import peak_rss_mb, proc_status_mb
 from ..methods.gptq import NotPositiveDefinite
 from ..methods.grid import GroupQuantized
 from ..spec.methods import UNCALIBRATED
@@ -141,7 +141,6 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         layers[i].to("meta")
         calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks,
                                importance)
-        release_free_memory()
         step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
              f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
 
