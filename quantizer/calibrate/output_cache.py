@@ -152,7 +152,11 @@ class OutputCache:
             outs, s = self._outputs[name], self.window
             first = _one_window(args, kwargs, self.tokens)
             if outs[s] is not None and first is not None:
-                return _copy(outs[s], first.device)
+                if self._pending:
+                    return _copy(outs[s], first.device)
+                y, outs[s] = outs[s], None  # the replay reads each window's once: handed over
+                self.used_bytes -= nbytes(y)
+                return _copy(y, first.device, copy=False)
             kept = self._kept_input(name, s) if first is not None else None
             y = compute(*args, **kwargs) if kept is None else self._through_linear(name, kept.to(first.device))
             if self._pending and first is not None and _storable(y) and self.reserve(nbytes(y)):
@@ -188,8 +192,8 @@ def _storable(y) -> bool:
     return isinstance(y, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in y)
 
 
-def _copy(y, device):
-    """A copy of an output on ``device`` (a caller may change its result in place)."""
+def _copy(y, device, copy: bool = True):
+    """An output on ``device``: a copy unless not ``copy`` (a caller may change its result in place)."""
     if isinstance(y, tuple):
-        return tuple(None if t is None else _copy(t, device) for t in y)
-    return y.to(device, copy=True)
+        return tuple(None if t is None else _copy(t, device, copy) for t in y)
+    return y.to(device, copy=copy)

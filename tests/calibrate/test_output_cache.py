@@ -94,6 +94,9 @@ def test_a_module_with_every_linear_finished_is_answered_and_its_linears_let_go(
     assert torch.equal(again, out) and weights is None and layer["attn"].calls == 1
     cache.finish(["mlp"])
     assert "forward" in vars(layer["attn"]) and "forward" not in vars(layer["attn"].q)
+    used = cache.used_bytes
+    last, _ = layer["attn"](torch.zeros(1, 3, 4))  # the replay reads it once: handed over, not copied
+    assert torch.equal(last, out) and cache.used_bytes == used - out.numel() * 4
 
 
 def test_a_module_returning_its_linears_output_is_answered_by_that_linear_on_its_kept_input():
