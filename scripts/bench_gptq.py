@@ -115,7 +115,7 @@ def instrument(clock: Clock) -> None:
     gptq_method.proxy_loss = clock.timed("report", gptq_method.proxy_loss, _report_flops)
     gptq_method.quantize_groupwise = clock.timed("report", gptq_method.quantize_groupwise)
     layerwise._materialize = clock.timed("io", layerwise._materialize)
-    calib_state.save_layer = clock.timed("io", calib_state.save_layer)
+    calib_state.LayerSaves.wait = clock.timed("io", calib_state.LayerSaves.wait)
     layerwise._write_output = clock.timed("io", layerwise._write_output)
 
     real = torch.nn.Linear.forward

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -144,6 +145,41 @@ def save_layer(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_
         tmp.replace(state_dir / "state.json")
     ranks.barrier()
     hidden_file(state_dir, layers_done - 1, ranks).unlink(missing_ok=True)
+
+
+class LayerSaves:
+    """:func:`save_layer` calls, one at a time and in order, written behind the caller's next
+    layer where ``ranks`` is one process (across processes each is a collective, made in the
+    caller's thread). The caller must not change what it passed until the next :meth:`save`
+    or :meth:`wait`. A context manager: leaving waits for the last save."""
+
+    def __init__(self, ranks: Ranks = SINGLE):
+        self._pool = ThreadPoolExecutor(1, "int4q-save") if not ranks.distributed else None
+        self._pending: Future | None = None
+
+    def save(self, *args, **kwargs) -> None:
+        """:func:`save_layer` (args, kwargs), once the previous save is written."""
+        self.wait()
+        if self._pool is None:
+            save_layer(*args, **kwargs)
+        else:
+            self._pending = self._pool.submit(save_layer, *args, **kwargs)
+
+    def wait(self) -> None:
+        """Block until the save in flight is written; raise what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> "LayerSaves":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
 
 
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -128,25 +128,26 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         hidden = calib_state.load_hidden(state_dir, done, ranks)
         say(f"resuming after layer {done}/{len(layers)}")
     step("layer", done, len(layers), "")  # starts the clock
-    for i in range(done, len(layers)):
-        layer_start = time.perf_counter()
-        prefix = f"{layers_name}.{i}"
-        _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
-        importance: dict[str, tuple[torch.Tensor, int]] = {}
-        out_tensors, hidden, as_tuple = _calibrate_layer(plan, method, layers[i], prefix, hidden, kwargs, per_tensor,
-                                                         ranks, importance)
-        for name in plan.reader.infos if ranks.is_main else ():
-            if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
-                out_tensors[name] = plan.reader.get(name)
-        layers[i].to("meta")
-        calib_state.save_layer(state_dir, fingerprint, i + 1, per_tensor, as_tuple, out_tensors, hidden, ranks,
-                               importance)
-        step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
-             f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
+    with calib_state.LayerSaves(ranks) as saves:  # each layer's state written behind the next
+        for i in range(done, len(layers)):
+            layer_start = time.perf_counter()
+            prefix = f"{layers_name}.{i}"
+            _materialize(layers[i], prefix, plan.reader, dtype, ranks.device)
+            importance: dict[str, tuple[torch.Tensor, int]] = {}
+            out_tensors, hidden, as_tuple = _calibrate_layer(plan, method, layers[i], prefix, hidden, kwargs,
+                                                             per_tensor, ranks, importance)
+            for name in plan.reader.infos if ranks.is_main else ():
+                if name.startswith(prefix + ".") and name.removesuffix(".weight") not in plan.targets:
+                    out_tensors[name] = plan.reader.get(name)
+            layers[i].to("meta")
+            saves.save(state_dir, fingerprint, i + 1, dict(per_tensor), as_tuple, out_tensors, hidden, ranks,
+                       importance)
+            step("layer", i + 1, len(layers), f"quantized in {time.perf_counter() - layer_start:.1f} s, "
+                 f"peak RSS so far {proc_status_mb('VmHWM'):.0f} MiB")
 
-    head_importance: dict[str, tuple[torch.Tensor, int]] = {}
-    head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say,
-                                  head_importance)
+        head_importance: dict[str, tuple[torch.Tensor, int]] = {}
+        head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say,
+                                      head_importance)
     calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
     peaks = ranks.gather_value(peak_rss_mb())  # and every rank is done with the state folder
     if not ranks.is_main:
