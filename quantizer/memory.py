@@ -1,5 +1,5 @@
 """This process's memory: resident-set figures from /proc, the memory the machine has free, and
-handing freed heap back to the OS."""
+handing freed heap back to the OS, or keeping it for reuse."""
 
 from __future__ import annotations
 

@@ -167,16 +167,16 @@ def main() -> None:
         start = time.perf_counter()
         report = quantize_checkpoint(request)
         total = time.perf_counter() - start
-        counted = dict(clock.flops)
+        counted, seconds, peak = dict(clock.flops), dict(clock.seconds), peak_rss_mb()  # the quantize's, not verify's
         kld = _verify(out, args.model) if args.verify else None
     after = gemm_rates(k)
     gemm = {name: statistics.mean((before[name], after[name])) for name in before}
     losses = [(e.get("gptq_loss"), e.get("rtn_loss")) for e in report.tensors.values() if "gptq_loss" in e]
     result = {"model": str(args.model), "nsamples": args.nsamples, "seqlen": args.seqlen, "precision": args.precision,
               "group_size": args.group_size, "threads": args.threads, "seconds": round(total, 1),
-              "peak_rss_mb": round(peak_rss_mb()), "gemm_gflops": {n: round(r, 1) for n, r in gemm.items()},
+              "peak_rss_mb": round(peak), "gemm_gflops": {n: round(r, 1) for n, r in gemm.items()},
               "objective": sum(g for g, _ in losses), "objective_rtn": sum(r for _, r in losses), "kld": kld,
-              "phases": {p: {"seconds": round(clock.seconds[p], 2), "gflop": round(counted.get(p, 0) / 1e9, 1)}
+              "phases": {p: {"seconds": round(seconds.get(p, 0.0), 2), "gflop": round(counted.get(p, 0) / 1e9, 1)}
                          for p in PHASES}}
     _print(result, total)
     if args.json:

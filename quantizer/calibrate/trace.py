@@ -91,10 +91,11 @@ def trace_layer(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict, wanted: s
 def _returned(out, outputs: dict[str, object]) -> Returned | None:
     """Which wanted linear's output ``out`` is (by identity), as itself or as the first of a
     tuple whose others are None; None where it is none's."""
-    first, arity = (out, None) if isinstance(out, torch.Tensor) else (None, None)
-    if isinstance(out, tuple) and out and all(o is None for o in out[1:]):
+    if isinstance(out, torch.Tensor):
+        first, arity = out, None
+    elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
         first, arity = out[0], len(out)
-    if not isinstance(first, torch.Tensor):
+    else:
         return None
     return next((Returned(name, arity) for name, o in outputs.items() if o is first), None)
 
