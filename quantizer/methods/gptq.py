@@ -278,8 +278,16 @@ def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, f
     return scaled_errors - factor.ridge * float(squares.sum(dtype=torch.float64)) - dead_share
 
 
-def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
-    """The GPTQ objective tr((W - Q) H (W - Q)^T): the expected squared output error on the
-    calibration inputs (up to the 2/n factor folded into H), in fp32."""
+def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, block: int = 512) -> float:
+    """The GPTQ objective tr((W - Q) H (W - Q)^T) for symmetric H: the expected squared output
+    error on the calibration inputs (up to the 2/n factor folded into H), fp32 products summed in
+    fp64. As <H, D^T D> over the blocks of D^T D on and above the diagonal: half of D H's work."""
     D = W.to(torch.float32) - Q.to(torch.float32)
-    return (D @ H.to(torch.float32)).mul_(D).sum().item()
+    H = H.to(torch.float32)
+    total = 0.0
+    for a in range(0, D.shape[1], block):
+        rows = D[:, a:a + block].t()
+        for b in range(a, D.shape[1], block):
+            share = (rows @ D[:, b:b + block]).mul_(H[a:a + block, b:b + block]).sum(dtype=torch.float64)
+            total += float(share) * (1 if a == b else 2)
+    return total

@@ -27,6 +27,18 @@ def test_hessian_accumulator_is_two_over_n_xtx_across_batches():
     assert torch.allclose(acc.H, 2 / 300 * x.t() @ x, rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 70), block=st.integers(1, 32), seed=st.integers(0, 2**16))
+def test_the_objective_by_upper_blocks_is_the_trace_of_d_h_dt(n, k, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(k + 3, k, generator=g)
+    H = x.t() @ x
+    W, Q = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    D = (W - Q).double()
+    expected = torch.trace(D @ H.double() @ D.t()).item()
+    assert proxy_loss(W, Q, H, block=block) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("act_order", [True, False])
 @pytest.mark.parametrize("group", [32, 64])

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from quantizer.methods import gram
@@ -19,8 +19,9 @@ def reference(C, x, alpha, beta):
 
 @pytest.mark.parametrize("name", KERNELS)
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 700), k=st.integers(1, 230), alpha=st.floats(0.01, 2), beta=st.floats(0, 1),
+@given(m=st.integers(1, 1300), k=st.integers(1, 230), alpha=st.floats(0.01, 2), beta=st.floats(0, 1),
        seed=st.integers(0, 2**16))
+@example(m=1100, k=200, alpha=1.0, beta=0.5, seed=0)  # two chunks of pairs and two blocks of rows (int4q.h)
 def test_each_kernel_gives_the_exact_gram_to_fp32_summation(name, m, k, alpha, beta, seed):
     kernel = KERNELS[name]()
     if kernel is None:

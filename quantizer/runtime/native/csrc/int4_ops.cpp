@@ -150,11 +150,28 @@ bool use_own_mean_square(bool on) {
     return previous;
 }
 
-// The t-th of the panels [first, last) in an order that alternates between their two ends: the
-// panels near the diagonal hold fewer tiles, so each contiguous share of this order holds about
-// as many tiles as the others.
-static int64_t balanced_panel(int64_t t, int64_t first, int64_t last) {
-    return t % 2 == 0 ? first + t / 2 : last - 1 - t / 2;
+// The t-th of the panels [0, panels) in an order that alternates between their two ends: panel q
+// holds q + 1 tiles of every row block it reaches, so each contiguous share of this order holds
+// about as many tiles as the others.
+static int64_t balanced_panel(int64_t t, int64_t panels) { return t % 2 == 0 ? t / 2 : panels - 1 - t / 2; }
+
+// x bf16 [m, k] as gram_bf16.c's row pairs: panel q's words for pair p at
+// pairs[q * panel_words + p * 48 + column - 48 q], zeros where a column or a row is beyond x.
+static void pack_pairs(const uint16_t *xs, int64_t m, int64_t k, int64_t panel_words, uint32_t *pairs) {
+    at::parallel_for(0, (m + 1) / 2, 16, [&](int64_t first, int64_t last) {
+        for (int64_t p = first; p < last; p++) {
+            const uint16_t *low = xs + 2 * p * k, *high = 2 * p + 1 < m ? low + k : nullptr;
+            for (int64_t j0 = 0; j0 < k; j0 += INT4Q_GRAM_PANEL) {
+                uint32_t *out = pairs + j0 / INT4Q_GRAM_PANEL * panel_words + p * INT4Q_GRAM_PANEL;
+                const int64_t n = std::min<int64_t>(INT4Q_GRAM_PANEL, k - j0);
+                if (high != nullptr)
+                    for (int64_t j = 0; j < n; j++) out[j] = low[j0 + j] | uint32_t(high[j0 + j]) << 16;
+                else
+                    for (int64_t j = 0; j < n; j++) out[j] = low[j0 + j];
+                for (int64_t j = n; j < INT4Q_GRAM_PANEL; j++) out[j] = 0;
+            }
+        }
+    });
 }
 
 // c fp32 [K, K] contiguous, x bf16 [M, K]: c = beta * c + alpha * x^T x on and above the diagonal
@@ -168,29 +185,24 @@ void gram_bf16(const at::Tensor &c, const at::Tensor &x, double alpha, double be
                     c.size(1) == k,
                 "int4q_native::gram_bf16: c must be contiguous fp32 [", k, ", ", k, "]");
     const at::Tensor xc = x.contiguous();
-    const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
-    const int64_t npairs = (m + 1) / 2, kp = (k + INT4Q_GRAM_PANEL - 1) / INT4Q_GRAM_PANEL * INT4Q_GRAM_PANEL;
-    std::vector<uint32_t> pairs(npairs * kp, 0);
-    at::parallel_for(0, npairs, 16, [&](int64_t first, int64_t last) {
-        for (int64_t p = first; p < last; p++)
-            for (int64_t j = 0; j < k; j++) {
-                const uint32_t high = 2 * p + 1 < m ? xs[(2 * p + 1) * k + j] : 0;
-                pairs[p * kp + j] = xs[2 * p * k + j] | high << 16;
-            }
-    });
+    const int64_t npairs = (m + 1) / 2, panels = (k + INT4Q_GRAM_PANEL - 1) / INT4Q_GRAM_PANEL;
+    const int64_t panel_words = npairs * INT4Q_GRAM_PANEL;
+    // ATen's allocation is 64-byte aligned, so each pair's 48 words of a panel are three whole cache lines
+    const at::Tensor pair_words = at::empty({panels * panel_words}, at::kInt);
+    auto *pairs = reinterpret_cast<uint32_t *>(pair_words.data_ptr<int32_t>());
+    pack_pairs(reinterpret_cast<const uint16_t *>(xc.data_ptr()), m, k, panel_words, pairs);
     float *dst = c.data_ptr<float>();
-    const int64_t panels = kp / INT4Q_GRAM_PANEL;
-    // per chunk of pairs and block of rows, the threads share the panels the block reaches
-    for (int64_t p0 = 0; p0 < npairs; p0 += INT4Q_GRAM_PAIRS) {
-        const int64_t p1 = std::min(p0 + INT4Q_GRAM_PAIRS, npairs);
-        const float scale_old = p0 == 0 ? (float)beta : 1.0f;
-        for (int64_t i0 = 0; i0 < k; i0 += INT4Q_GRAM_ROWS)
-            at::parallel_for(0, panels - i0 / INT4Q_GRAM_PANEL, 1, [&](int64_t first, int64_t last) {
+    // each thread owns its share of the panels (columns of c), so no thread waits on another
+    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+        for (int64_t p0 = 0; p0 < npairs; p0 += INT4Q_GRAM_PAIRS) {
+            const int64_t p1 = std::min(p0 + INT4Q_GRAM_PAIRS, npairs);
+            const float scale_old = p0 == 0 ? (float)beta : 1.0f;
+            for (int64_t i0 = 0; i0 < k; i0 += INT4Q_GRAM_ROWS)
                 for (int64_t t = first; t < last; t++)
-                    int4q_gram_block(pairs.data(), p0, p1, kp, dst, k, (float)alpha, scale_old, i0,
-                                     i0 + INT4Q_GRAM_ROWS, balanced_panel(t, i0 / INT4Q_GRAM_PANEL, panels));
-            });
-    }
+                    int4q_gram_block(pairs, p0, p1, panel_words, dst, k, (float)alpha, scale_old, i0,
+                                     i0 + INT4Q_GRAM_ROWS, balanced_panel(t, panels));
+        }
+    });
 }
 
 bool gram_available() { return int4q_gram_available() != 0; }

@@ -109,11 +109,11 @@ void int4q_causal_pack_keys(const uint16_t *k, int64_t k_step, int64_t positions
 void int4q_causal_pack_values(const uint16_t *v, int64_t v_step, int64_t positions, int64_t dim, int64_t value_stride,
                               uint32_t *values);
 #define INT4Q_GRAM_PANEL 48  /* columns of C per panel of int4q_gram_block */
-#define INT4Q_GRAM_PAIRS 128 /* row pairs per chunk */
-#define INT4Q_GRAM_ROWS 384  /* rows of C per block */
+#define INT4Q_GRAM_PAIRS 512 /* row pairs per chunk */
+#define INT4Q_GRAM_ROWS 192  /* rows of C per block */
 int int4q_gram_available(void);
-void int4q_gram_block(const uint32_t *pairs, int64_t p0, int64_t p1, int64_t kp, float *c, int64_t k, float alpha,
-                      float beta, int64_t i_begin, int64_t i_end, int64_t panel);
+void int4q_gram_block(const uint32_t *pairs, int64_t p0, int64_t p1, int64_t panel_words, float *c, int64_t k,
+                      float alpha, float beta, int64_t i_begin, int64_t i_end, int64_t panel);
 
 void int4q_gptq_columns(float *w, const float *u, int64_t b, const float *scale, const float *zero, const float *safe,
                         const uint8_t *flat, float *codes, float *err, int64_t n, int64_t first, int64_t last,
