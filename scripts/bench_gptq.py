@@ -46,6 +46,7 @@ from quantizer.calibrate import state as calib_state  # noqa: E402
 from quantizer.calibrate.windows import CalibrationSettings  # noqa: E402
 from quantizer.memory import peak_rss_mb  # noqa: E402
 from quantizer.methods import gptq, gptq_method  # noqa: E402
+from quantizer.methods.gram import add_gram  # noqa: E402
 from quantizer.quantize import layerwise  # noqa: E402
 from quantizer.quantize.planning import QuantizeOptions  # noqa: E402
 from quantizer.quantize.request import QuantizeRequest  # noqa: E402
@@ -128,15 +129,20 @@ def instrument(clock: Clock) -> None:
 
 
 def gemm_rates(k: int, rows: int = 4096, reps: int = 5) -> dict[str, float]:
-    """GFLOP/s of the Hessian's own GEMM shape, xᵀx for x [rows, k], in fp32 and bf16."""
+    """GFLOP/s of the Hessian's own shape, xᵀx for x [rows, k]: ATen's GEMM in
+    fp32 and bf16, and the Gram the Hessians use (``gram``: GPTQ's ``add_gram``, which computes
+    the half on and above the diagonal), each counted as a full GEMM's 2·rows·k²."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+    x16, C = x.to(torch.bfloat16), torch.zeros(k, k)
+    products = {"fp32": lambda: x.t() @ x, "bf16": lambda: x16.t() @ x16,
+                "gram": lambda: add_gram(C, x16, 1.0, 0.0)}
     rates = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(dtype)
-        x.t() @ x
+    for name, product in products.items():
+        product()
         times = []
         for _ in range(reps):
             start = time.perf_counter()
-            x.t() @ x
+            product()
             times.append(time.perf_counter() - start)
         rates[name] = 2.0 * rows * k * k / statistics.median(times) / 1e9
     return rates
@@ -195,7 +201,8 @@ def _print(result: dict, total: float) -> None:
     print(f"{result['model']}: {result['nsamples']} x {result['seqlen']} tokens in {result['precision']}, "
           f"group {result['group_size']}, "
           f"{result['threads']} threads: {total:.1f} s, peak RSS {result['peak_rss_mb']} MiB")
-    print(f"GEMM here (xᵀx, K = hidden): fp32 {gemm['fp32']:.0f} GFLOP/s, bf16 {gemm['bf16']:.0f} GFLOP/s")
+    print(f"GEMM here (xᵀx, K = hidden): fp32 {gemm['fp32']:.0f} GFLOP/s, bf16 {gemm['bf16']:.0f}, "
+          f"int4q's Gram {gemm['gram']:.0f} (as a full GEMM)")
     print(f"{'phase':<14}{'seconds':>9}{'share':>8}{'GFLOP':>10}{'GFLOP/s':>9}{'of fp32':>9}")
     counted = 0.0
     for phase, p in result["phases"].items():
