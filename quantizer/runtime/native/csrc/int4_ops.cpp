@@ -151,8 +151,8 @@ bool use_own_mean_square(bool on) {
 }
 
 // The t-th of the panels [0, panels) in an order that alternates between their two ends: panel q
-// holds q + 1 tiles of every row block it reaches, so each contiguous share of this order holds
-// about as many tiles as the others.
+// holds the tiles of its 48 (q + 1) rows on and above the diagonal, so each contiguous share of
+// this order holds about as many tiles as the others.
 static int64_t balanced_panel(int64_t t, int64_t panels) { return t % 2 == 0 ? t / 2 : panels - 1 - t / 2; }
 
 // x bf16 [m, k] as gram_bf16.c's row pairs: panel q's words for pair p at
