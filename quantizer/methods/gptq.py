@@ -152,8 +152,9 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
     the retries, the ridge added).
 
     With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one
-    triangular inverse (K^3 / 3 multiply-adds each), with at most three K x K matrices held at
-    once besides H and the inverse's temporaries."""
+    triangular inverse (K^3 / 3 multiply-adds each). Besides H, at most two K x K matrices are
+    held at once (P H P and L); L is inverted and flipped in its own storage, as every fresh
+    K x K buffer is faulted in page by page."""
     mean_diag = None
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
@@ -167,25 +168,40 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
             if retry:
                 log.warning("Hessian not positive definite at damp %.3g; used damp %.3g "
                             "(more calibration samples, or a larger --damp, avoid this)", damp, d)
-            inverse = lower_triangular_inverse(L)
-            del L
-            return inverse.flip(0, 1), d, retry, d * mean_diag
+            invert_lower(L)
+            return flip_in_place(L), d, retry, d * mean_diag
     raise NotPositiveDefinite(damp * 10**DAMP_RETRIES)
 
 
-def lower_triangular_inverse(L: torch.Tensor, leaf: int = 512) -> torch.Tensor:
-    """L^-1 for lower-triangular L [K, K] with a positive diagonal, by halves: the inverse of
-    [[A, 0], [C, D]] is [[A^-1, 0], [-D^-1 C A^-1, D^-1]], its corner from two triangular solves."""
+def invert_lower(L: torch.Tensor, leaf: int = 512) -> None:
+    """Lower-triangular L [K, K] with a positive diagonal becomes L^-1, in place, by halves: the
+    inverse of [[A, 0], [C, D]] is [[A^-1, 0], [-D^-1 C A^-1, D^-1]], its corner from two
+    triangular solves made before A and D are inverted."""
     k = L.shape[0]
     if k <= leaf:
-        return torch.linalg.solve_triangular(L, torch.eye(k, dtype=L.dtype, device=L.device), upper=False)
+        L.copy_(torch.linalg.solve_triangular(L, torch.eye(k, dtype=L.dtype, device=L.device), upper=False))
+        return
     h = k // 2
-    out = torch.zeros_like(L)
-    out[:h, :h] = lower_triangular_inverse(L[:h, :h], leaf)
-    out[h:, h:] = lower_triangular_inverse(L[h:, h:], leaf)
     corner = torch.linalg.solve_triangular(L[:h, :h], L[h:, :h], upper=False, left=False)
-    out[h:, :h] = -torch.linalg.solve_triangular(L[h:, h:], corner, upper=False)
-    return out
+    L[h:, :h] = torch.linalg.solve_triangular(L[h:, h:], corner, upper=False).neg_()
+    del corner
+    invert_lower(L[:h, :h], leaf)
+    invert_lower(L[h:, h:], leaf)
+
+
+def flip_in_place(M: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """M [K, K] becomes M.flip(0, 1) in its own storage, ``block`` rows from each end at a time;
+    returns M."""
+    k = M.shape[0]
+    half = k // 2
+    for i in range(0, half, block):
+        j = min(i + block, half)
+        top = M[i:j].flip(0, 1)
+        M[i:j] = M[k - j:k - i].flip(0, 1)
+        M[k - j:k - i] = top
+    if k % 2:
+        M[half] = M[half].flip(0)
+    return M
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool = False,

@@ -124,9 +124,18 @@ def test_reversed_cholesky_factor_equals_cholesky_inverse_cholesky(k, seed, damp
 def test_triangular_inverse_by_halves_is_the_inverse():
     g = torch.Generator().manual_seed(7)
     L = torch.randn(1300, 1300, generator=g, dtype=torch.float64).tril() * 0.02 + torch.eye(1300, dtype=torch.float64)
-    inv = gptq.lower_triangular_inverse(L, leaf=128)
+    inv = L.clone()
+    gptq.invert_lower(inv, leaf=128)
     assert torch.equal(inv, inv.tril())
     assert torch.allclose(inv @ L, torch.eye(1300, dtype=torch.float64), atol=1e-10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(1, 40), block=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_a_flip_in_place_is_the_flip(k, block, seed):
+    M = torch.randn(k, k, generator=torch.Generator().manual_seed(seed))
+    expected = M.flip(0, 1)
+    assert torch.equal(gptq.flip_in_place(M, block), expected)
 
 
 @settings(max_examples=20, deadline=None)
