@@ -16,7 +16,8 @@ one) timed here on the same threads, before and after the run:
 - factorisation: the upper Cholesky factor of H⁻¹, counted as K³ per solve (a Cholesky and a
   triangular inverse are K³/3 each; the rest of the work is counted as a third K³/3);
 - column loop: the lazy-block updates, N·K² per solve (plus N·K·block inside the blocks);
-- report: round-to-nearest's objective per linear (2·N·K²; GPTQ's comes from its solve's errors);
+- report: GPTQ's error statistics and round-to-nearest's objective per linear (2·N·K²; GPTQ's objective
+  comes from its solve's errors);
 - io: reading the layers' weights, saving each finished layer, writing the output.
 
 Also the calibration objective Σ tr((W−Q)H(W−Q)ᵀ) over the linears (with round-to-nearest's
@@ -95,7 +96,7 @@ def _loop_flops(W, factor, group_size, symmetric, act_order, block_size, *args, 
     return float(n) * k * k + float(n) * k * block_size
 
 
-def _report_flops(W, Q, H):
+def _report_flops(W, q, H, *args):
     return 2.0 * W.shape[0] * H.shape[0] ** 2
 
 
@@ -113,8 +114,7 @@ def instrument(clock: Clock) -> None:
     gptq.HessianAccumulator.add = clock.timed("hessian", gptq.HessianAccumulator.add, _hessian_flops)
     gptq._inverse_cholesky = clock.timed("factorisation", gptq._inverse_cholesky, _factor_flops)
     gptq._solve_rows = clock.timed("column loop", gptq._solve_rows, _loop_flops)
-    gptq_method.proxy_loss = clock.timed("report", gptq_method.proxy_loss, _report_flops)
-    gptq_method.quantize_groupwise = clock.timed("report", gptq_method.quantize_groupwise)
+    gptq_method._report = clock.timed("report", gptq_method._report, _report_flops)
     layerwise._materialize = clock.timed("io", layerwise._materialize)
     calib_state.LayerSaves.wait = clock.timed("io", calib_state.LayerSaves.wait)
     layerwise._write_output = clock.timed("io", layerwise._write_output)

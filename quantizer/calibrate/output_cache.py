@@ -22,11 +22,11 @@ from .attention_memo import AttentionMemo, nbytes
 if TYPE_CHECKING:
     from .trace import Returned
 
-CACHE_TO_INPUT = 4
+CACHE_TO_INPUT = 5
 """The cache holds at most this many times the bytes of the layer's input activations as fp32,
-eight hidden vectors of bf16 a token: a Llama layer's two norms' and attention's outputs and its
-down projection's input at a hidden-to-intermediate ratio of 3/8; a wider MLP has part of it
-computed again."""
+ten hidden vectors of bf16 a token: a Llama layer's two norms' and attention's outputs and its
+down projection's input up to an intermediate size of seven times the hidden size (Qwen2.5-1.5B's
+8960 / 1536 needs 8.8); a wider MLP has part of it computed again."""
 
 
 def holds(module: str, names) -> bool:

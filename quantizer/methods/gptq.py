@@ -28,6 +28,7 @@ from .grid import (
     GroupQuantized,
     Storage,
     grid_params,
+    row_chunks,
     weighted_grid_search,
 )
 
@@ -135,11 +136,14 @@ def factorize(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> He
     return HessianFactor(U, perm, dead, ridge, GptqInfo(used_damp, retries, int(dead.sum())))
 
 
-def _reversed(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+def _reversed(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, rows: int = 256) -> torch.Tensor:
     """P H P in fp32 for visiting order ``perm`` (P the reversal of that order), dead columns'
-    diagonal 1: a new matrix."""
+    diagonal 1: a new matrix, gathered ``rows`` rows at a time (no K x K index tensor)."""
     backwards = perm.flip(0)
-    reversed_h = H.to(torch.float32)[backwards.unsqueeze(1), backwards]
+    source = H.to(torch.float32)
+    reversed_h = torch.empty_like(source)
+    for i in range(0, H.shape[0], rows):
+        torch.index_select(source.index_select(0, backwards[i:i + rows]), 1, backwards, out=reversed_h[i:i + rows])
     reversed_h.diagonal()[dead[backwards]] = 1.0
     return reversed_h
 
@@ -152,24 +156,26 @@ def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
     the retries, the ridge added).
 
     With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one
-    triangular inverse (K^3 / 3 multiply-adds each). Besides H, at most two K x K matrices are
-    held at once (P H P and L); L is inverted and flipped in its own storage, as every fresh
-    K x K buffer is faulted in page by page."""
+    triangular inverse (K^3 / 3 multiply-adds each). Besides H, one K x K matrix is held: P H P
+    is factorised, inverted and flipped in its own storage, as every fresh K x K buffer is
+    faulted in page by page."""
     mean_diag = None
     for retry in range(DAMP_RETRIES + 1):
         d = damp * 10**retry
-        damped = _reversed(H, perm, dead)  # made anew for each try, and let go once factorised
+        damped = _reversed(H, perm, dead)  # made anew for each try
         if mean_diag is None:
             mean_diag = torch.mean(torch.diag(damped).flip(0)).item() or 1.0
         damped.diagonal().add_(d * mean_diag)
-        L, info = torch.linalg.cholesky_ex(damped)
-        del damped
+        L = damped.mT  # the same symmetric matrix, column-major: LAPACK factorises it in place
+        info = torch.empty((), dtype=torch.int32, device=L.device)
+        torch.linalg.cholesky_ex(L, out=(L, info))
         if info.item() == 0:
             if retry:
                 log.warning("Hessian not positive definite at damp %.3g; used damp %.3g "
                             "(more calibration samples, or a larger --damp, avoid this)", damp, d)
             invert_lower(L)
-            return flip_in_place(L), d, retry, d * mean_diag
+            flip_in_place(damped)  # L.flip(0, 1) is damped.flip(0, 1).mT
+            return L, d, retry, d * mean_diag
     raise NotPositiveDefinite(damp * 10**DAMP_RETRIES)
 
 
@@ -183,7 +189,7 @@ def invert_lower(L: torch.Tensor, leaf: int = 512) -> None:
         return
     h = k // 2
     corner = torch.linalg.solve_triangular(L[:h, :h], L[h:, :h], upper=False, left=False)
-    L[h:, :h] = torch.linalg.solve_triangular(L[h:, h:], corner, upper=False).neg_()
+    L[h:, :h] = torch.linalg.solve_triangular(L[h:, h:], corner, upper=False, out=corner).neg_()
     del corner
     invert_lower(L[:h, :h], leaf)
     invert_lower(L[h:, h:], leaf)
@@ -254,10 +260,10 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     perm, U = factor.perm, factor.U
     if act_order:
         W = W[:, perm]
-    group_of = (perm // group_size).tolist()  # group of each (permuted) column
-    grid = ColumnGrids(n, k, W.device)
+    grid = ColumnGrids(n, perm // group_size)  # the group of each (permuted) column
+    group_of = grid.group_of.tolist()
     if static:
-        grid.set(range(k), scale.t()[group_of], zero.t()[group_of])
+        grid.set(range(groups), scale.t(), zero.t())
     codes = torch.empty(k, n, dtype=torch.float32, device=W.device)
     scaled_errors = torch.zeros((), dtype=torch.float64, device=W.device)
     for i1 in range(0, k, block_size):
@@ -272,9 +278,9 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
                 cols = torch.cat([W1[a - i1:a - i1 + group_size].t(), W[:, i2:a + group_size]], dim=1)
                 s, z = params_of(cols.unsqueeze(1), a)
                 scale[:, group_of[a]], zero[:, group_of[a]] = s[:, 0], z[:, 0]
-                grid.set(range(a, a + group_size), s[:, 0], z[:, 0])
+                grid.set(range(group_of[a], group_of[a] + 1), s[:, 0], z[:, 0])
             solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits)
-        W[:, i2:] -= Err1.t().contiguous() @ U[i1:i2, i2:]
+        W[:, i2:].addmm_(Err1.t().contiguous(), U[i1:i2, i2:], alpha=-1)  # in place: no [n, K] temporary
         scaled_errors += Err1.square().sum(dtype=torch.float64)
     codes = codes.t().to(torch.uint8)
     if act_order:
@@ -288,17 +294,25 @@ def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, f
     tr(D' H' D'^T) for the H' the solve factorised (dead columns' diagonal 1, the ridge added to
     every diagonal entry) and D' (W's dead columns taken as 0, as the solve takes them); less the
     ridge's and the dead columns' share, which H, whose dead rows and columns are 0, does not have."""
-    D = W.to(torch.float32).masked_fill(factor.dead, 0.0) - q.dequantize()
-    squares = D.square()
-    dead_share = float(squares[:, factor.dead].sum(dtype=torch.float64)) if factor.info.dead_columns else 0.0
-    return scaled_errors - factor.ridge * float(squares.sum(dtype=torch.float64)) - dead_share
+    all_squares, dead_squares = 0.0, 0.0
+    for rows in row_chunks(*W.shape):  # cache-sized pieces
+        D = W[rows].to(torch.float32).masked_fill(factor.dead, 0.0).sub_(q.rows(rows).dequantize())
+        squares = D.square_()
+        all_squares += float(squares.sum(dtype=torch.float64))
+        if factor.info.dead_columns:
+            dead_squares += float(squares[:, factor.dead].sum(dtype=torch.float64))
+    return scaled_errors - factor.ridge * all_squares - dead_squares
 
 
 def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, block: int = 512) -> float:
     """The GPTQ objective tr((W - Q) H (W - Q)^T) for symmetric H: the expected squared output
-    error on the calibration inputs (up to the 2/n factor folded into H), fp32 products summed in
-    fp64. As <H, D^T D> over the blocks of D^T D on and above the diagonal: half of D H's work."""
-    D = W.to(torch.float32) - Q.to(torch.float32)
+    error on the calibration inputs (up to the 2/n factor folded into H)."""
+    return error_objective(W.to(torch.float32) - Q.to(torch.float32), H, block)
+
+
+def error_objective(D: torch.Tensor, H: torch.Tensor, block: int = 512) -> float:
+    """tr(D H D^T) for D [n, K] fp32 and symmetric H [K, K], fp32 products summed in fp64: as
+    <H, D^T D> over the blocks of D^T D on and above the diagonal, half of D H's work."""
     H = H.to(torch.float32)
     total = 0.0
     for a in range(0, D.shape[1], block):

@@ -18,26 +18,31 @@ from .native import CheckedKernel
 
 
 class ColumnGrids:
-    """Each column's grid, per row, in the form rounding needs (the arithmetic of
+    """Each group's grid, per row, in the form rounding needs (the arithmetic of
     :func:`grid.round_to_grid` and :func:`grid.grid_values`, so codes and values match them
-    exactly): scale, zero, the scale safe to divide by, and whether the scale is 0; all [K, n]."""
+    exactly): scale, zero, the scale safe to divide by, and whether the scale is 0; all [G, n],
+    looked up per column through ``group_of`` [K] (each column's group, long)."""
 
-    def __init__(self, n: int, k: int, device):
-        self.scale = torch.zeros(k, n, dtype=torch.float32, device=device)
-        self.zero = torch.zeros(k, n, dtype=torch.float32, device=device)
-        self.safe = torch.ones(k, n, dtype=torch.float32, device=device)
-        self.flat = torch.zeros(k, n, dtype=torch.bool, device=device)
+    def __init__(self, n: int, group_of: torch.Tensor):
+        groups = int(group_of.max()) + 1 if group_of.numel() else 0
+        device = group_of.device
+        self.group_of = group_of
+        self.scale = torch.zeros(groups, n, dtype=torch.float32, device=device)
+        self.zero = torch.zeros(groups, n, dtype=torch.float32, device=device)
+        self.safe = torch.ones(groups, n, dtype=torch.float32, device=device)
+        self.flat = torch.zeros(groups, n, dtype=torch.bool, device=device)
 
-    def set(self, cols: range, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Columns ``cols`` take scale, zero [len(cols), n] (or [n], the same for each)."""
-        c = slice(cols.start, cols.stop)
+    def set(self, groups: range, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Groups ``groups`` take scale, zero [len(groups), n] (or [n], the same for each)."""
+        c = slice(groups.start, groups.stop)
         self.scale[c], self.zero[c] = scale.to(torch.float32), zero.to(torch.float32)
         self.flat[c] = self.scale[c] == 0
         self.safe[c] = torch.where(self.flat[c], 1.0, self.scale[c])
 
     def block(self, i1: int, i2: int) -> tuple[torch.Tensor, ...]:
         """(scale, zero, safe, flat) of columns [i1, i2), each [i2 - i1, n] and contiguous."""
-        return self.scale[i1:i2], self.zero[i1:i2], self.safe[i1:i2], self.flat[i1:i2]
+        columns = self.group_of[i1:i2]
+        return tuple(t.index_select(0, columns) for t in (self.scale, self.zero, self.safe, self.flat))
 
 
 def solve_columns(W1: torch.Tensor, U1: torch.Tensor, grids: tuple[torch.Tensor, ...], codes: torch.Tensor,
@@ -75,7 +80,7 @@ def _probe(kernel) -> list[torch.Tensor]:
     for 4- and 6-bit codes: what ``kernel`` writes."""
     g = torch.Generator().manual_seed(0)
     b, n = 40, 157
-    grids = ColumnGrids(n, b, "cpu")
+    grids = ColumnGrids(n, torch.arange(b))
     grids.set(range(b), torch.rand(b, n, generator=g) * 0.1, torch.randn(b, n, generator=g) * 0.05)
     grids.set(range(5, 6), torch.zeros(n), torch.zeros(n))
     U1 = (torch.randn(b, b, generator=g) * 0.1).triu() + torch.eye(b)

@@ -11,8 +11,8 @@ import torch
 from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
 from .error_stats import ErrorStats
-from .gptq import HessianAccumulator, gptq_quantize, proxy_loss
-from .grid import BF16, ROW_CHUNK, GroupQuantized, Storage, quantize_groupwise
+from .gptq import HessianAccumulator, error_objective, gptq_quantize
+from .grid import BF16, ROW_CHUNK, GroupQuantized, Storage, quantize_groupwise, row_chunks
 from .rtn import quantize_rtn
 
 
@@ -54,15 +54,27 @@ class GptqMethod:
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
                                  damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
-        err, rtn_loss = ErrorStats(), 0.0
-        for start in range(0, weight.shape[0], ROW_CHUNK):  # row chunks bound the fp32 copies of a large head
-            rows = slice(start, start + ROW_CHUNK)
-            w = weight[rows]
-            err.add(w, gq.rows(rows).dequantize())
-            rtn = quantize_groupwise(w, scheme.group_size, symmetric=scheme.symmetric,
-                                     storage=dataclasses.replace(BF16, bits=storage.bits)).dequantize()
-            rtn_loss += proxy_loss(w, rtn, H)
+        err, rtn_loss = _report(weight, gq, H, scheme, storage)
         return gq, {
             **err.as_dict(), "method": "gptq", "gptq_loss": info.objective, "rtn_loss": rtn_loss,
             "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
         }
+
+
+def _report(weight: torch.Tensor, gq: GroupQuantized, H: torch.Tensor, scheme: ModuleScheme,
+            storage: Storage) -> tuple[ErrorStats, float]:
+    """GPTQ's error statistics against ``weight`` [N, K], and round-to-nearest's objective on the
+    same H: row chunks bound the fp32 copies of a large head, and the elementwise passes run on
+    cache-sized pieces of them."""
+    err, rtn_loss = ErrorStats(), 0.0
+    rtn_storage = dataclasses.replace(BF16, bits=storage.bits)
+    for start in range(0, weight.shape[0], ROW_CHUNK):
+        w, q = weight[start:start + ROW_CHUNK], gq.rows(slice(start, start + ROW_CHUNK))
+        rtn_error = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        for rows in row_chunks(*w.shape):
+            w32 = w[rows].to(torch.float32)
+            err.add(w32, q.rows(rows).dequantize())
+            rtn = quantize_groupwise(w[rows], scheme.group_size, symmetric=scheme.symmetric, storage=rtn_storage)
+            torch.sub(w32, rtn.dequantize(), out=rtn_error[rows])
+        rtn_loss += error_objective(rtn_error, H)
+    return err, rtn_loss

@@ -123,7 +123,7 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.to(torch.float32).reshape(n, k // group_size, group_size)
 
 
-def _row_chunks(rows: int, per_row: int) -> list[slice]:
+def row_chunks(rows: int, per_row: int) -> list[slice]:
     """Row slices of about :data:`SEARCH_CHUNK` elements each (one slice for a small weight)."""
     if rows * per_row <= 2 * SEARCH_CHUNK:
         return [slice(None)]
@@ -169,7 +169,7 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     ``column_weights`` [K] (each input column's mean squared activation) each group's grid is
     the one of :func:`weighted_grid_search`.
     """
-    chunks = _row_chunks(w.shape[0], w.shape[1])
+    chunks = row_chunks(w.shape[0], w.shape[1])
     if len(chunks) > 1:
         return GroupQuantized.cat([quantize_groupwise(w[rows], group_size, symmetric, clip_search, storage,
                                                       column_weights) for rows in chunks])
@@ -215,7 +215,7 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     candidate, so the result is never worse than it on this objective (before a super-block
     storage rounds the winner's scale and minimum).
     """
-    chunks = _row_chunks(g.shape[0], g[0].numel())
+    chunks = row_chunks(g.shape[0], g[0].numel())
     if len(chunks) > 1:
         parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
         return tuple(torch.cat(t) for t in zip(*parts))

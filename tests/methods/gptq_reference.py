@@ -51,7 +51,7 @@ def reference_gptq(W, U, perm, group_size, symmetric=False, act_order=True, bloc
             err = (w - deq) / U1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
             Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
     if act_order:
         codes = codes[:, torch.argsort(perm)]
     return codes, scale, zero

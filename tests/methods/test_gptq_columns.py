@@ -14,7 +14,7 @@ from quantizer.methods.gptq_columns import ColumnGrids, torch_columns
 
 def block(b, n, seed, flat_column):
     g = torch.Generator().manual_seed(seed)
-    grids = ColumnGrids(n, b, "cpu")
+    grids = ColumnGrids(n, torch.arange(b))
     grids.set(range(b), (torch.rand(b, n, generator=g) * 0.1).to(torch.bfloat16),
               (torch.randn(b, n, generator=g) * 0.05).to(torch.bfloat16))
     if flat_column is not None:

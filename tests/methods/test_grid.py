@@ -237,7 +237,7 @@ def test_row_chunks_give_the_same_grids_as_one_pass(monkeypatch, storage, sym, g
     whole = [quantize_groupwise(w, group, sym, clip_search=True, storage=storage),
              quantize_groupwise(w, group, sym, storage=storage, column_weights=weights)]
     monkeypatch.setattr(grid, "SEARCH_CHUNK", 3 * 512)  # 3 rows a chunk, the last one short
-    assert grid._row_chunks(37, 512)[-1] == slice(36, 39)
+    assert grid.row_chunks(37, 512)[-1] == slice(36, 39)
     chunked = [quantize_groupwise(w, group, sym, clip_search=True, storage=storage),
                quantize_groupwise(w, group, sym, storage=storage, column_weights=weights)]
     for a, b in zip(whole, chunked):

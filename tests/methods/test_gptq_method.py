@@ -1,0 +1,33 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantizer.methods import gptq_method, grid
+from quantizer.methods.error_stats import ErrorStats
+from quantizer.methods.gptq import HessianAccumulator, proxy_loss
+from quantizer.methods.gptq_method import GptqMethod
+from quantizer.methods.grid import quantize_groupwise
+from quantizer.spec.scheme import ModuleScheme
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 50), groups=st.integers(1, 4), row_chunk=st.integers(1, 20), piece=st.integers(1, 200),
+       symmetric=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_report_in_pieces_is_the_report_of_the_whole_weight(rows, groups, row_chunk, piece, symmetric, seed):
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(seed)
+    W = (torch.randn(rows, k, generator=gen) * 0.05).bfloat16()
+    acc = HessianAccumulator(k)
+    acc.add(torch.randn(3 * k, k, generator=gen))
+    scheme = ModuleScheme(bits=4, group_size=32, symmetric=symmetric)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gptq_method, "ROW_CHUNK", row_chunk)
+        mp.setattr(grid, "SEARCH_CHUNK", piece)  # pieces of a few rows each
+        q, entry = GptqMethod().quantize(W, acc, scheme)
+    whole = ErrorStats()
+    whole.add(W, q.dequantize())
+    rtn = quantize_groupwise(W, 32, symmetric=symmetric).dequantize()
+    assert entry["snr_db"] == pytest.approx(whole.as_dict()["snr_db"], abs=2e-4)  # both rounded to 4 places
+    assert entry["max_abs_err"] == whole.max_abs_err
+    assert entry["rtn_loss"] == pytest.approx(proxy_loss(W, rtn, acc.H), rel=1e-5)
