@@ -125,16 +125,16 @@ def accumulate(layer, step: list[str], hidden: torch.Tensor, kwargs: dict, metho
 def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, method,
                    device: str = "cpu", dtype: torch.dtype = torch.float32) -> Accumulator:
     """The statistic of the head's inputs (the final norm's outputs), through the model's own
-    code (its parameters in ``dtype``): the decoder layers are replaced by a replay of the final
-    hidden states."""
+    code (its parameters in ``dtype``, read for this pass and let go after it): the decoder
+    layers are replaced by a replay of the final hidden states."""
     replay = Replay(hidden, as_tuple, device)
     originals = list(layers)
     for i in range(len(layers)):
         layers[i] = replay if i == 0 else Replay(None, as_tuple, device)
     head = model.get_output_embeddings()
-    for name, p in list(model.named_parameters()):
-        if p.is_meta and not name.startswith(head_name + "."):
-            set_param(model, name, reader.get(name).to(device, dtype))
+    loaded = [name for name, p in model.named_parameters() if p.is_meta and not name.startswith(head_name + ".")]
+    for name in loaded:
+        set_param(model, name, reader.get(name).to(device, dtype))
     acc = method.accumulator(head.in_features, device)
 
     def run_window(s):
@@ -146,4 +146,6 @@ def head_statistic(model, layers, reader, hidden, windows, as_tuple, head_name, 
     finally:
         for i, layer in enumerate(originals):
             layers[i] = layer
+        for name in loaded:  # a large vocabulary's table is not held while the head is solved
+            set_param(model, name, model.get_parameter(name).to("meta"))
     return acc
