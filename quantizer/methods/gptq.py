@@ -304,15 +304,11 @@ def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, f
     return scaled_errors - factor.ridge * all_squares - dead_squares
 
 
-def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, block: int = 512) -> float:
-    """The GPTQ objective tr((W - Q) H (W - Q)^T) for symmetric H: the expected squared output
-    error on the calibration inputs (up to the 2/n factor folded into H)."""
-    return error_objective(W.to(torch.float32) - Q.to(torch.float32), H, block)
-
-
 def error_objective(D: torch.Tensor, H: torch.Tensor, block: int = 512) -> float:
-    """tr(D H D^T) for D [n, K] fp32 and symmetric H [K, K], fp32 products summed in fp64: as
-    <H, D^T D> over the blocks of D^T D on and above the diagonal, half of D H's work."""
+    """The GPTQ objective tr(D H D^T) of an error D = W - Q [n, K] fp32 for symmetric H [K, K]:
+    the expected squared output error on the calibration inputs (up to the 2/n factor folded
+    into H), fp32 products summed in fp64. As <H, D^T D> over the blocks of D^T D on and above
+    the diagonal, half of D H's work."""
     H = H.to(torch.float32)
     total = 0.0
     for a in range(0, D.shape[1], block):
