@@ -113,7 +113,8 @@ def _bits(value: str | None) -> int | None:
                    "asymmetric grid vLLM's CPU backend runs); or one .gguf file for llama.cpp, Ollama and LM Studio, "
                    "written by llama.cpp's own converter.")
 @click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)),
-              help="[gguf] llama.cpp's file type: q4_0 and q5_0 (symmetric), q4_1 (the default) and q5_1; q4_k, "
+              help="[gguf] llama.cpp's file type: q4_0 and q5_0 (symmetric; calibrated, the first eighth of ffn_down "
+                   "Q4_1/Q5_1, as llama-quantize with an importance matrix), q4_1 (the default) and q5_1; q4_k, "
                    "q5_k, q6_k (every module in 256-weight super-blocks, like llama-quantize --pure); q4_k_m, q5_k_m "
                    "(llama-quantize's mixtures: Q6_K for the head and for attn_v and ffn_down in its chosen layers). "
                    "Rows 256 does not divide fall back as llama-quantize does (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to "

@@ -67,9 +67,10 @@ class CheckpointFormat(Protocol):
         """The checkpoint tensors of one weight quantized on ``scheme``, by full name."""
 
     def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int],
-                    source: SourceModel | None = None) -> dict[str, str]:
-        """Change in place the schemes its type decides (GGUF's file types) and the ones it cannot
-        store for a module's input dim; a note for each of the latter."""
+                    source: SourceModel | None = None, calibrated: bool = False) -> dict[str, str]:
+        """Change in place the schemes its type decides (GGUF's file types, which may depend on
+        whether the run is ``calibrated``) and the ones it cannot store for a module's input dim;
+        a note for each of the latter."""
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:
         """The ``quantization_config`` written to config.json for a run with this QuantizationConfig

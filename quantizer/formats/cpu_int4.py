@@ -57,7 +57,8 @@ class CpuInt4Format:
             values = (pack_nibbles(quantized.codes), quantized.scale, quantized.zero)
         return {f"{module}.{suffix}": t for suffix, t in zip(SUFFIXES, values)}
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None,
+                    calibrated: bool = False) -> dict[str, str]:
         return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:

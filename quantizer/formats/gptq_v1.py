@@ -121,7 +121,8 @@ class GptqV1Format:
     def tensors(self, module: str, gq: GroupQuantized, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
         return gptq_tensors(module, gq)
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None,
+                    calibrated: bool = False) -> dict[str, str]:
         return {}
 
     def quantization_config(self, qconfig, head_quantized: bool) -> dict:

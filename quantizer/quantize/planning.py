@@ -173,7 +173,8 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         _check_one_group(schemes, group, k_dims, fmt)
     layer_shapes = {m: tuple(infos[s].shape) for m, s in targets.items()
                     if m not in (structure.embedding, structure.head)}
-    format_notes = fmt.fit_schemes(schemes, k_dims, SourceModel(model_dir, config, layer_shapes))
+    format_notes = fmt.fit_schemes(schemes, k_dims, SourceModel(model_dir, config, layer_shapes),
+                                   calibrated=options.method != UNCALIBRATED)
     fallbacks.update(format_notes)
     notes += _grouped_notes(format_notes)
     left_out = structure.left_out_note()

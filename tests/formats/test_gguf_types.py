@@ -32,14 +32,16 @@ def eight_layers(smollm2_bf16, tmp_path_factory):
     return with_tokenizer(folder, smollm2_bf16)
 
 
-def llama_quantize_types(source, tmp_path, ftype: str) -> dict[str, str]:
-    """The tensor types llama-quantize writes for ``source`` at ``ftype`` (via the converter's bf16 file)."""
+def llama_quantize_types(source, tmp_path, ftype: str, imatrix=None) -> dict[str, str]:
+    """The tensor types llama-quantize writes for ``source`` at ``ftype`` (via the converter's bf16
+    file), given the importance matrix file ``imatrix`` or none."""
     from quantizer.formats.gguf.converter import converter_root
 
     bf16, out = tmp_path / "bf16.gguf", tmp_path / f"llama-{ftype}.gguf"
     subprocess.run([sys.executable, converter_root() / "convert_hf_to_gguf.py", source, "--outtype", "bf16",
                     "--outfile", bf16], check=True, capture_output=True)
-    subprocess.run([LLAMA_QUANTIZE, bf16, out, ftype], check=True, capture_output=True)
+    given = ["--imatrix", imatrix] if imatrix else []
+    subprocess.run([LLAMA_QUANTIZE, *given, bf16, out, ftype], check=True, capture_output=True)
     return tensor_types(out)
 
 
@@ -60,6 +62,23 @@ def test_q4_k_m_gives_each_tensor_llama_quantizes_type_and_passes_verify(eight_l
     if shutil.which(LLAMA_QUANTIZE):
         assert types == llama_quantize_types(eight_layers, tmp_path, "Q4_K_M")
     assert_verify_passes(tmp_path / "m.gguf", eight_layers)
+
+
+def test_a_calibrated_q4_0_file_gives_the_first_eighth_of_ffn_down_q4_1_as_llama_quantize_with_an_imatrix(
+        eight_layers, tmp_path):
+    out = quantize(eight_layers, tmp_path / "w.gguf", "--gguf-type", "q4_0", "--method", "weighted", "--nsamples", "2",
+                   "--seqlen", "64", "--imatrix-out", tmp_path / "imatrix.gguf")
+    types = tensor_types(out)
+    assert types["blk.0.ffn_down.weight"] == "Q4_1"  # 8 layers: the first one
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in range(1, 8)} == {"Q4_0"}
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_up.weight"] == "Q4_0"
+    assert set(tensor_types(quantize(eight_layers, tmp_path / "m.gguf", "--gguf-type", "q4_0")).values()) <= \
+        {"Q4_0", "Q8_0", "F32"}  # uncalibrated: llama-quantize without an imatrix
+    if shutil.which(LLAMA_QUANTIZE):  # the layers' tensors (its tables' types follow its own defaults)
+        theirs = llama_quantize_types(eight_layers, tmp_path, "Q4_0", tmp_path / "imatrix.gguf")
+        assert {n: t for n, t in types.items() if n.startswith("blk.")} == \
+            {n: t for n, t in theirs.items() if n.startswith("blk.")}
+    assert_verify_passes(out, eight_layers)
 
 
 def round_trip(path, source, min_snr_db: float):

@@ -8,6 +8,8 @@ source and those blocks (see assemble.py). Per quantized module ``<name>`` with 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...errors import InputError
@@ -15,7 +17,7 @@ from ...io.shards import TensorSpec
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
 from ...spec.scheme import ModuleScheme
 from .blocks import BLOCK, TYPES, BlockType, block_type
-from .types import DEFAULT, GGUF_TYPES, GgufType, fallback, mixture_bits
+from .types import DEFAULT, GGUF_TYPES, GgufType, fallback, guarded_downs, mixture_bits
 
 SUFFIX = "gguf_blocks"
 
@@ -71,17 +73,28 @@ class GgufFormat:
         own = {"gguf_type": self.gguf_type.name} if self.gguf_type else {}
         return {**qconfig.to_dict(), "quant_method": self.quant_method, **own}
 
-    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None) -> dict[str, str]:
+    def fit_schemes(self, schemes: dict[str, ModuleScheme], k_dims: dict[str, int], source=None,
+                    calibrated: bool = False) -> dict[str, str]:
         """In place: the modules a recipe left at 4 bits take the type's precision (a K_M mixture's
-        extra bits by the GGUF names of ``source``'s weights), then each module the type's
-        fallback for its input dim; a note for each fallback."""
+        extra bits by the GGUF names of ``source``'s weights); in a ``calibrated`` run's Q4_0 or
+        Q5_0 file the first eighth of ffn_down take the asymmetric type, as llama-quantize gives
+        them with an importance matrix; then each module the type's fallback for its input dim,
+        with a note for each fallback."""
         t = self.gguf_type
+        wanted = source is not None and (calibrated or bool(t and t.more_bits))
+        names, arch = _names(source) if wanted else ({}, "")
         if t is not None:
-            more = mixture_bits(t, *_names(source)) if t.more_bits else {}
+            more = mixture_bits(t, names, arch) if t.more_bits else {}
             for module, scheme in schemes.items():
                 bits = more.get(module, t.bits)
                 if scheme.bits == 4 and bits != 4:
                     schemes[module] = t.scheme(bits)
+        if calibrated:
+            symmetric_type = self.type_for(True)
+            for module in guarded_downs(symmetric_type, names) & schemes.keys():
+                scheme = schemes[module]
+                if scheme.symmetric and scheme.bits == symmetric_type.bits:
+                    schemes[module] = dataclasses.replace(scheme, symmetric=False)
         notes = {}
         for module, scheme in schemes.items():
             schemes[module], note = fallback(scheme, k_dims[module], self.type_for(scheme.symmetric))

@@ -29,6 +29,7 @@ class GgufType:
     file_type: str
     more_bits: int | None = None
     qkv_bits: int | None = None
+    guarded_downs: bool = False  # calibrated: the first eighth of ffn_down asymmetric (Q4_1 / Q5_1)
 
     def scheme(self, bits: int) -> ModuleScheme:
         """A module of ``bits`` bits in this type's grid (6 bits: Q6_K's symmetric one)."""
@@ -36,9 +37,9 @@ class GgufType:
 
 
 GGUF_TYPES = {t.name: t for t in (
-    GgufType("q4_0", 4, True, False, "MOSTLY_Q4_0"),
+    GgufType("q4_0", 4, True, False, "MOSTLY_Q4_0", guarded_downs=True),
     GgufType("q4_1", 4, False, False, "MOSTLY_Q4_1"),
-    GgufType("q5_0", 5, True, False, "MOSTLY_Q5_0"),
+    GgufType("q5_0", 5, True, False, "MOSTLY_Q5_0", guarded_downs=True),
     GgufType("q5_1", 5, False, False, "MOSTLY_Q5_1"),
     GgufType("q4_k", 4, False, True, "MOSTLY_Q4_K_S"),  # every module Q4_K, like llama-quantize --pure
     GgufType("q5_k", 5, False, True, "MOSTLY_Q5_K_S"),
@@ -71,6 +72,16 @@ def mixture_bits(gguf_type: GgufType, names: dict[str, list[str]], arch: str) ->
             bits[m] = gguf_type.more_bits
     bits.update({m: gguf_type.qkv_bits for m, n in first.items() if n.endswith(".attn_qkv.weight")})
     return bits
+
+
+def guarded_downs(gguf_type: GgufType, names: dict[str, list[str]]) -> set[str]:
+    """The modules whose weight is an ffn_down in the first eighth of the ffn_down tensors (by
+    layer): llama-quantize stores them in the asymmetric type of the same bits (Q4_1 for Q4_0,
+    Q5_1 for Q5_0) when it is given an importance matrix, as a calibrated int4q run is."""
+    if not gguf_type.guarded_downs:
+        return set()
+    downs = {m: _layer(n[0]) for m, n in names.items() if n and n[0].endswith(".ffn_down.weight")}
+    return {m for m, layer in downs.items() if layer < len(downs) // 8}
 
 
 def _layer(name: str) -> int:
