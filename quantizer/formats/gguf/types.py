@@ -59,10 +59,9 @@ def mixture_bits(gguf_type: GgufType, names: dict[str, list[str]], arch: str) ->
         return {}
     first = {m: n[0] for m, n in names.items() if n}
     values = sorted((m for m, n in first.items() if n.endswith(".attn_v.weight")), key=lambda m: _layer(first[m]))
-    downs = [m for m, n in first.items() if n.endswith(".ffn_down.weight")]
+    downs = _ffn_down_layers(names)
     bits = {m: gguf_type.more_bits for i, m in enumerate(values) if more_bits_layer(i, len(values))}
-    for m in downs:
-        layer = _layer(first[m])
+    for m, layer in downs.items():
         if arch == "falcon" and gguf_type.name == "q4_k_m":
             if layer < len(downs) // 16:
                 bits[m] = 6
@@ -80,8 +79,13 @@ def guarded_downs(gguf_type: GgufType, names: dict[str, list[str]]) -> set[str]:
     Q5_1 for Q5_0) when it is given an importance matrix, as a calibrated int4q run is."""
     if not gguf_type.guarded_downs:
         return set()
-    downs = {m: _layer(n[0]) for m, n in names.items() if n and n[0].endswith(".ffn_down.weight")}
+    downs = _ffn_down_layers(names)
     return {m for m, layer in downs.items() if layer < len(downs) // 8}
+
+
+def _ffn_down_layers(names: dict[str, list[str]]) -> dict[str, int]:
+    """Module -> its layer, for the modules whose weight is an ffn_down (by its first GGUF name)."""
+    return {m: _layer(n[0]) for m, n in names.items() if n and n[0].endswith(".ffn_down.weight")}
 
 
 def _layer(name: str) -> int:
