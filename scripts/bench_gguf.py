@@ -38,7 +38,8 @@ TYPES = {
     "q4_k_m": ("Q4_K_M", (), ("--gguf-type", "q4_k_m")),
     "q5_k_m": ("Q5_K_M", (), ("--gguf-type", "q5_k_m")),
 }
-METHODS = ("minmax", "weighted", "gptq")
+METHODS = ("minmax", "weighted", "gptq", "gptq-refined")  # gptq-refined: gptq --refine
+SYMMETRIC_TYPES = ("q4_0",)  # the types --refine applies to
 
 
 def sh(cmd: list, log: Path) -> str:
@@ -120,6 +121,8 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
             made.append((f"llama-quantize {ltype}{' + imatrix' if use_imatrix else ''}", out,
                          time.perf_counter() - start))
         for method in args.methods:
+            if method == "gptq-refined" and label not in SYMMETRIC_TYPES:
+                continue
             out = work / f"int4q-{label}-{method}.gguf"
             start = time.perf_counter()
             if not out.exists():
@@ -128,11 +131,15 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
                          "--imatrix-out", work / f"int4q-{label}-{method}-imatrix.gguf", "--overwrite"] \
                     if method != "minmax" else []
                 sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
-                    "gguf", *int4q_options, "--method", method, "--no-progress", *calib], log)
+                    "gguf", *int4q_options, *method_options(method), "--no-progress", *calib], log)
             made.append((f"int4q {ltype} {method}", out, time.perf_counter() - start))
         if "weighted" in args.methods:
             made.append(with_int4q_imatrix(args, work, label, log))
     return made
+
+
+def method_options(method: str) -> tuple[str, ...]:
+    return ("--method", "gptq", "--refine") if method == "gptq-refined" else ("--method", method)
 
 
 def with_int4q_imatrix(args, work: Path, label: str, log: Path) -> tuple[str, Path, float]:
@@ -155,7 +162,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=40, help="eval windows of --ctx tokens")
     ap.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS[:3]), choices=METHODS,
+                    help="int4q's methods; gptq-refined (gptq --refine) on the symmetric types only")
     ap.add_argument("--nsamples", type=int, help="calibration windows (default: int4q's for each method)")
     ap.add_argument("--seqlen", type=int, help="tokens per calibration window (default: int4q's, 512)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")

@@ -36,6 +36,17 @@ def _calibration_precision(choice: str, device: str) -> str:
     return fast_matmul_precision()
 
 
+def _check_refine(refine: bool, method: str, symmetric: bool | None, checkpoint_format: str) -> None:
+    """--refine needs GPTQ on symmetric grids (asked for, or the format's default)."""
+    from ..errors import UsageError
+    from ..formats import get_format
+
+    grid_symmetric = symmetric if symmetric is not None else get_format(checkpoint_format).default_symmetric
+    if refine and (method != "gptq" or not grid_symmetric):
+        raise UsageError("--refine is for --method gptq on symmetric grids: add --method gptq and --sym "
+                         "(for GGUF, --gguf-type q4_0 or q5_0)")
+
+
 def _bits(value: str | None) -> int | None:
     return None if value is None else int(value)
 
@@ -101,6 +112,10 @@ def _bits(value: str | None) -> int | None:
               help="[gptq] Dampening, as a fraction of the mean Hessian diagonal.")
 @click.option("--weighted-grids/--minmax-grids", default=True, show_default=True,
               help="[gptq] Each group's grid by the search weighted by diag(H) before the solve, or its min/max.")
+@click.option("--refine", is_flag=True,
+              help="[gptq] After each solve, coordinate descent on the full objective: codes one step up or down "
+                   "and each group's scale refit, on symmetric grids (--sym, --gguf-type q4_0/q5_0); slower, "
+                   "lower error.")
 @click.option("--seed", default=0, show_default=True, type=int, help="[gptq, weighted] Seed for the calibration windows.")
 @click.option("--resume", is_flag=True, help="[gptq] Continue an interrupted run from its last finished layer.")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
@@ -125,8 +140,8 @@ def _bits(value: str | None) -> int | None:
                    "Any --format; needs llama.cpp's converter for the tensor names.")
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
-             calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, seed, resume, device, checkpoint_format,
-             gguf_type, imatrix_out):
+             calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, refine, seed, resume, device,
+             checkpoint_format, gguf_type, imatrix_out):
     """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
     from ..calibrate.windows import CalibrationSettings
     from ..errors import UsageError
@@ -143,6 +158,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         from ..formats.gguf.staging import check_gguf_type
 
         symmetric = check_gguf_type(gguf_type, symmetric)
+    _check_refine(refine, method, symmetric, checkpoint_format)
     options = QuantizeOptions(
         group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
         keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
@@ -151,7 +167,8 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
         gguf_type=gguf_type,
     )
-    settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids) if method == "gptq" else None
+    settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids, refine=refine) \
+        if method == "gptq" else None
     calibration = CalibrationSettings(nsamples, seqlen, seed, _calibration_precision(calib_precision, device))
     request = QuantizeRequest(model, out, options, overwrite, base_model, calib, calibration, settings, resume, device,
                               imatrix_out)

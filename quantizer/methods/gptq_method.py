@@ -12,6 +12,7 @@ from ..spec.methods import UNCALIBRATED
 from ..spec.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .gptq import HessianAccumulator, error_objective, gptq_quantize
+from .gptq_refine import refine_symmetric
 from .grid import BF16, ROW_CHUNK, GroupQuantized, Storage, quantize_groupwise, row_chunks
 from .rtn import quantize_rtn
 
@@ -22,6 +23,7 @@ class GptqSettings:
     damp: float = 0.01  # added to diag(H), as a fraction of its mean
     block_size: int = 128  # columns per lazy block update
     weighted_grids: bool = True  # each static group's grid by the diag(H)-weighted search
+    refine: bool = False  # symmetric grids: coordinate descent on codes and scales after the solve
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class GptqMethod:
     def calibration_record(self) -> dict:
         """What the run's calibration record adds for this method."""
         o = self.settings
-        return {"act_order": o.act_order, "damp": o.damp, "weighted_grids": o.weighted_grids}
+        return {"act_order": o.act_order, "damp": o.damp, "weighted_grids": o.weighted_grids, "refine": o.refine}
 
     def quantize(self, weight: torch.Tensor, stats: HessianAccumulator, scheme: ModuleScheme,
                  storage: Storage = BF16) -> tuple[GroupQuantized, dict]:
@@ -54,11 +56,20 @@ class GptqMethod:
         gq, info = gptq_quantize(weight, H, scheme.group_size, symmetric=scheme.symmetric, act_order=o.act_order,
                                  damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
+        loss = info.objective
+        if o.refine and refinable(scheme, storage):
+            gq, loss = refine_symmetric(weight, H, gq, storage)
         err, rtn_loss = _report(weight, gq, H, scheme, storage)
         return gq, {
-            **err.as_dict(), "method": "gptq", "gptq_loss": info.objective, "rtn_loss": rtn_loss,
+            **err.as_dict(), "method": "gptq", "gptq_loss": loss, "rtn_loss": rtn_loss,
             "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
         }
+
+
+def refinable(scheme: ModuleScheme, storage: Storage) -> bool:
+    """Whether ``refine`` applies to a module: a symmetric 4-bit-or-wider group grid whose scales
+    are free values (not a K-quant super-block's levels)."""
+    return scheme.grouped and scheme.symmetric and scheme.bits != 8 and not storage.superblock
 
 
 def _report(weight: torch.Tensor, gq: GroupQuantized, H: torch.Tensor, scheme: ModuleScheme,

@@ -60,11 +60,7 @@ def torch_descend(codes: torch.Tensor, step: torch.Tensor, pull: torch.Tensor, b
         moved = False
         for j in range(b):
             s, c = step[:, :, j], codes[:, :, j]
-            curvature, slope = s * s * diagonal[:, j], 2 * s * pull[:, :, j]
-            # a code moved by d changes e_j by -d s, the objective by -2 d s (H e)_j + s^2 H_jj
-            up = torch.where(c < qmax, curvature - slope, torch.inf)
-            down = torch.where(c > 0, curvature + slope, torch.inf)
-            d = torch.where((up < 0) & (up <= down), 1, torch.where(down < 0, -1, 0)).to(torch.int16)
+            d = code_step(c, s, diagonal[:, j], pull[:, :, j], qmax)
             if not bool(d.any()):
                 continue
             moved = True
@@ -72,6 +68,17 @@ def torch_descend(codes: torch.Tensor, step: torch.Tensor, pull: torch.Tensor, b
             pull -= (d * s).unsqueeze(-1) * blocks[:, :, j]
         if not moved:
             break
+
+
+def code_step(codes: torch.Tensor, step: torch.Tensor, h_jj: torch.Tensor, pull: torch.Tensor,
+              qmax: int) -> torch.Tensor:
+    """The move d in {-1, 0, 1} (codes' dtype) of one column's codes that lowers e^T H e most:
+    codes, their grid ``step`` and ``pull`` = (H e)_j alike-shaped, ``h_jj`` = H_jj."""
+    curvature, slope = step * step * h_jj, 2 * step * pull
+    # a code moved by d changes e_j by -d s, the objective by -2 d s (H e)_j + s^2 H_jj
+    up = torch.where(codes < qmax, curvature - slope, torch.inf)
+    down = torch.where(codes > 0, curvature + slope, torch.inf)
+    return torch.where((up < 0) & (up <= down), 1, torch.where(down < 0, -1, 0)).to(codes.dtype)
 
 
 def _operator(library):

@@ -312,3 +312,10 @@ def test_generate_saves_a_quick_start_once_and_the_next_run_prints_the_same_text
     assert first.exit_code == second.exit_code == 0, second.output
     assert "saved this model's decode plan for quick starts" in first.stderr
     assert "saved" not in second.stderr and second.stdout == first.stdout
+
+
+@pytest.mark.parametrize("extra", [("--method", "gptq"), ("--method", "weighted", "--sym"), ()])
+def test_refine_without_gptq_on_symmetric_grids_is_bad_usage_naming_what_to_add(tiny_model, tmp_path, extra):
+    result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--refine", "--no-progress", *extra)
+    assert_one_line_error(result, "--refine is for --method gptq on symmetric grids", code=2)
+    assert not (tmp_path / "q").exists()

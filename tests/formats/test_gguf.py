@@ -95,6 +95,14 @@ def test_gptq_unties_the_head_into_its_own_output_tensor(source, tmp_path):
     assert_verify_passes(out, source)
 
 
+def test_a_refined_gptq_q4_0_file_has_the_same_types_and_passes_verify(source, tmp_path):
+    gptq = ("--gguf-type", "q4_0", "--method", "gptq", "--nsamples", "2", "--seqlen", "64")
+    plain = quantize(source, tmp_path / "g.gguf", *gptq)
+    refined = quantize(source, tmp_path / "r.gguf", *gptq, "--refine")
+    assert tensor_types(refined) == tensor_types(plain) and refined.stat().st_size == plain.stat().st_size
+    assert_verify_passes(refined, source)
+
+
 def test_verify_fails_a_file_whose_blocks_are_not_the_nearest_codes(source, tmp_path):
     out = quantize(source, tmp_path / "m.gguf", "--gguf-type", "q4_0")
     reader = gguf.GGUFReader(out)
