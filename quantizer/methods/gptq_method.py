@@ -57,19 +57,13 @@ class GptqMethod:
                                  damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
         loss = info.objective
-        if o.refine and refinable(scheme, storage):
+        if o.refine and scheme.symmetric and not storage.superblock:  # free scales: not K-quant levels
             gq, loss = refine_symmetric(weight, H, gq, storage)
         err, rtn_loss = _report(weight, gq, H, scheme, storage)
         return gq, {
             **err.as_dict(), "method": "gptq", "gptq_loss": loss, "rtn_loss": rtn_loss,
             "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
         }
-
-
-def refinable(scheme: ModuleScheme, storage: Storage) -> bool:
-    """Whether ``refine`` applies to a module: a symmetric 4-bit-or-wider group grid whose scales
-    are free values (not a K-quant super-block's levels)."""
-    return scheme.grouped and scheme.symmetric and scheme.bits != 8 and not storage.superblock
 
 
 def _report(weight: torch.Tensor, gq: GroupQuantized, H: torch.Tensor, scheme: ModuleScheme,

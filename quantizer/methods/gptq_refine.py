@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .codes import code_range
+from .codes import code_range, dequantize_codes
 from .gptq import error_objective
 from .grid import ROW_CHUNK, GroupQuantized, Storage
 from .rounding import code_step
@@ -31,8 +31,9 @@ def refine_symmetric(W: torch.Tensor, H: torch.Tensor, gq: GroupQuantized, stora
     parts, objective = [], 0.0
     for start in range(0, W.shape[0], ROW_CHUNK):
         rows = slice(start, start + ROW_CHUNK)
-        part = _refine_rows(W[rows].to(torch.float32), H, gq.rows(rows), storage, sweeps)
-        objective += error_objective(W[rows].to(torch.float32) - part.dequantize(), H)
+        w = W[rows].to(torch.float32)
+        part = _refine_rows(w, H, gq.rows(rows), storage, sweeps)
+        objective += error_objective(w - part.dequantize(), H)
         parts.append(part)
     return GroupQuantized.cat(parts), objective
 
@@ -45,17 +46,12 @@ def _refine_rows(W: torch.Tensor, H: torch.Tensor, gq: GroupQuantized, storage: 
     scale = gq.scale.to(torch.float32, copy=True)  # refitted in place
     block = group * max(1, BLOCK // group)
     for _ in range(sweeps):
-        pull = (W - _values(codes, scale, gq.bits)) @ H  # H e, per row
+        pull = (W - dequantize_codes(codes, scale, gq.zero, torch.float32, gq.bits)) @ H  # H e, per row
         for i1 in range(0, W.shape[1], block):
             i2 = min(i1 + block, W.shape[1])
             delta = _descend_block(codes, scale, pull[:, i1:i2], H[i1:i2, i1:i2], i1, group, gq.bits, storage)
             pull[:, i2:] -= delta @ H[i1:i2, i2:]
     return GroupQuantized(codes.to(gq.codes.dtype), scale.to(gq.scale.dtype), gq.zero, gq.bits)
-
-
-def _values(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    mid = code_range(bits)[0]
-    return (codes.to(torch.float32) - mid) * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
 
 
 def _descend_block(codes, scale, pull, Hb, first: int, group: int, bits: int, storage: Storage) -> torch.Tensor:
