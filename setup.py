@@ -1,4 +1,4 @@
-"""Builds int4q's native library (quantizer/runtime/native/csrc) with torch.utils.cpp_extension
+"""Builds int4q's native library (quantizer/native/csrc) with torch.utils.cpp_extension
 when int4q is installed; the rest of the package metadata is in pyproject.toml.
 
 Install without build isolation (``pip install --no-build-isolation``), so the library is built
@@ -14,7 +14,7 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).parent
-BUILD = HERE / "quantizer" / "runtime" / "native" / "build.py"
+BUILD = HERE / "quantizer" / "native" / "build.py"
 
 
 def native_extension():
@@ -25,7 +25,7 @@ def native_extension():
 
     sources = [str(p.relative_to(HERE)) for p in build.sources()]
     flags = [*build.COMPILE_FLAGS, build.digest_define()]
-    extension = CppExtension(f"quantizer.runtime.native.{build.LIBRARY_STEM}", sources,
+    extension = CppExtension(f"quantizer.native.{build.LIBRARY_STEM}", sources,
                              extra_compile_args={"cxx": flags}, extra_link_args=list(build.LINK_FLAGS),
                              py_limited_api=False)
     return [extension], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate environment with the GPTQ loaders users run (GPTQModel 7.6 and transformers' GPTQ
-# route through optimum), for scripts/gptq_loaders.py only: they are never int4q dependencies.
+# route through optimum), for benchmarks/gptq_loaders.py only: they are never int4q dependencies.
 # torch is pinned first (an unpinned one pulls a CUDA build); transformers matches int4q's venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,8 +14,9 @@ import pytest
 # The test Hub server cannot speak Xet; huggingface_hub reads this when it is imported.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
 
-import quantizer  # noqa: F401  (first: it pins MKL to reproducible code paths before torch starts MKL)
 import torch
+
+import quantizer  # noqa: F401  (first: it pins MKL to reproducible code paths before torch starts MKL)
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("INT4Q_TEST_CACHE", REPO / ".cache"))
@@ -179,7 +180,7 @@ def at_thread_counts(compute, counts=(1, 2, 3)) -> list:
 def assert_refused_off_by(monkeypatch, op: str, self_test, factor: float) -> None:
     """With ``torch.ops.int4q_native.<op>`` patched to return its own result times ``factor``,
     ``self_test()`` refuses the operator as off by more than rounding."""
-    from quantizer.runtime.native.build import NativeUnavailable
+    from quantizer.native.build import NativeUnavailable
 
     real = getattr(torch.ops.int4q_native, op)
     monkeypatch.setattr(torch.ops.int4q_native, op, lambda *args: real(*args) * factor)
@@ -199,8 +200,8 @@ def failing_compiler(directory: Path, name: str, *stderr: str) -> Path:
 
 def quantize_to(src: Path, out: Path, **options) -> Path:
     """Round-to-nearest ``src`` into the new folder ``out`` with QuantizeOptions(**options)."""
-    from quantizer.quantize.planning import QuantizeOptions, plan_quantization
-    from quantizer.quantize.streamed import run_quantization
+    from quantizer.quantization.planning import QuantizeOptions, plan_quantization
+    from quantizer.quantization.streamed import run_quantization
 
     out.mkdir()
     run_quantization(plan_quantization(src, QuantizeOptions(**options)), out)
@@ -222,7 +223,7 @@ def tiny_q(tiny_model, tmp_path_factory) -> Path:
 def interrupt_gptq_at_second_layer(monkeypatch):
     """Make the next GPTQ run raise KeyboardInterrupt as it loads decoder layer 1; returns the
     function that undoes it."""
-    import quantizer.quantize.layerwise as layerwise
+    import quantizer.quantization.layerwise as layerwise
 
     real = layerwise._materialize
 

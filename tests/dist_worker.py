@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 import quantizer.calibrate.ranks as distributed
-from quantizer.quantize.calibrated import run_calibrated
-from quantizer.methods.gptq import HessianAccumulator
 from quantizer.calibrate.windows import CalibrationSettings
-from quantizer.quantize.planning import QuantizeOptions, plan_quantization
-from quantizer.io.tokenizer import load_tokenizer
 from quantizer.io.text import builtin_text
+from quantizer.io.tokenizer import load_tokenizer
+from quantizer.methods.gptq import HessianAccumulator
+from quantizer.quantization.calibrated import run_calibrated
+from quantizer.quantization.planning import QuantizeOptions, plan_quantization
 
 OPTIONS = CalibrationSettings(nsamples=6, seqlen=64, seed=0)
 

@@ -1,5 +1,5 @@
 """The calibration forward's attention through int4q's causal kernel
-(:mod:`quantizer.runtime.native.causal_attention`), where a call is plain causal attention over
+(:mod:`quantizer.native.causal_attention`), where a call is plain causal attention over
 the whole window; transformers' SDPA attention for every other call.
 
 :data:`NAME` is registered with transformers' attention and mask interfaces (its masks are
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..runtime.native.causal_attention import causal_attention, has_causal_attention
+from ..native.causal_attention import causal_attention, has_causal_attention
 
 NAME = "int4q_causal"
 INERT = frozenset({"position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache"})
@@ -68,7 +68,10 @@ def _plain(query, key, value, kwargs) -> bool:
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
 
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, causal_or_sdpa)

@@ -116,8 +116,9 @@ def _register() -> None:
     from .publish import push, verify
     from .quantize import bundled_model, quantize
     from .runtime import bench, compile_step, generate
+    from .setup import setup_gguf
 
-    for command in (quantize, bundled_model, generate, bench, compile_step, verify, push):
+    for command in (quantize, bundled_model, generate, bench, compile_step, verify, push, setup_gguf):
         main.add_command(command)
 
 

@@ -40,7 +40,7 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
 
     import torch
 
-    from ..verify.run import run_verify
+    from ..verification.run import run_verify
     from .progress import StepReporter
 
     if threads:
@@ -70,7 +70,7 @@ def verify(model_dir, source, text, ctx, max_windows, greedy_tokens, max_kld, js
     if json_path:
         json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     if plot_path:
-        from ..verify.run import plot_report
+        from ..verification.run import plot_report
 
         plot_report(report, plot_path)
     click.echo(report["outcome"])

@@ -10,9 +10,10 @@ import click
 from ..formats import NAMES as FORMAT_NAMES
 from ..formats import RUNTIME_FORMAT
 from ..formats.gguf.types import GGUF_TYPES
-from ..quantize.recipes import RECIPES
-from ..spec.methods import METHODS, UNCALIBRATED
-from ..spec.methods import NAMES as METHOD_NAMES
+from ..quantization.recipes import RECIPES
+from ..schema.methods import METHODS, UNCALIBRATED
+from ..schema.methods import NAMES as METHOD_NAMES
+from .sections import SectionedCommand
 
 
 def _size(value: str) -> int:
@@ -25,33 +26,31 @@ def _size(value: str) -> int:
         raise click.BadParameter(str(e)) from None
 
 
-def _calibration_precision(choice: str, device: str) -> str:
-    """``--calib-precision`` decided: auto is bf16 on a GPU, else what this CPU multiplies fastest."""
-    if choice != "auto":
-        return choice
-    if device == "cuda":
-        return "bf16"
-    from ..runtime.cpu import fast_matmul_precision
-
-    return fast_matmul_precision()
-
-
-def _check_refine(refine: bool, method: str, symmetric: bool | None, checkpoint_format: str) -> None:
-    """--refine needs GPTQ on symmetric grids (asked for, or the format's default)."""
-    from ..errors import UsageError
-    from ..formats import get_format
-
-    grid_symmetric = symmetric if symmetric is not None else get_format(checkpoint_format).default_symmetric
-    if refine and (method != "gptq" or not grid_symmetric):
-        raise UsageError("--refine is for --method gptq on symmetric grids: add --method gptq and --sym "
-                         "(for GGUF, --gguf-type q4_0 or q5_0)")
-
-
 def _bits(value: str | None) -> int | None:
     return None if value is None else int(value)
 
 
-@click.command()
+SECTIONS = [
+    ("Input and output", ["model", "out", "checkpoint_format", "gguf_type", "overwrite", "max_shard_size", "base_model",
+                          "progress"]),
+    ("Precision and recipes", ["group_size", "strict_group_size", "recipe", "embedding_bits", "head_bits",
+                               "overrides", "untie_head", "ignore", "symmetric", "clip_search", "keep_embedding"]),
+    ("Method and calibration", ["method", "calib", "nsamples", "seqlen", "calib_precision", "seed", "device",
+                                "resume", "imatrix_out"]),
+    ("GPTQ", ["act_order", "damp", "weighted_grids", "refine"]),
+]
+
+EXAMPLES = """
+Examples:
+  int4q quantize --model models/smollm2-135m-bf16 --out models/smollm2-int4 --group-size 64
+  int4q quantize --model Qwen/Qwen2.5-1.5B-Instruct --out qwen-q4_k_m.gguf --format gguf --gguf-type q4_k_m
+  int4q quantize --model models/smollm2-135m-bf16 --out smollm2-q4_0.gguf --format gguf --gguf-type q4_0 \\
+      --method gptq --refine
+  int4q quantize --model models/smollm2-135m-bf16 --out models/smollm2-gptq --format gptq --method gptq
+"""
+
+
+@click.command(cls=SectionedCommand, sections=SECTIONS, epilog=EXAMPLES)
 @click.option("--model", "model", required=True, help="bf16/fp16/fp32 model folder or Hub repo id.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path),
               help="Output folder (--format gguf: the .gguf file).")
@@ -84,7 +83,7 @@ def _bits(value: str | None) -> int | None:
 @click.option("--override", "overrides", multiple=True, metavar="PATTERN=BITS[:GROUP]",
               help="Bits (and group) for modules named PATTERN or ending in .PATTERN, e.g. down_proj=8, "
                    "lm_head=4:32, mlp.up_proj=16 (5 and 6 for --format gguf); repeatable, the last match wins.")
-@click.option("--keep-embedding", is_flag=True, help="Leave the vocabulary table in bf16 (--embedding-bits 16).")
+@click.option("--keep-embedding", is_flag=True, hidden=True, help="The same as --embedding-bits 16.")
 @click.option("--untie-head", is_flag=True, help="Write a separately quantized lm_head; sets tie_word_embeddings false.")
 @click.option("--ignore", multiple=True, help="Module name (or suffix) to leave unquantized; repeatable.")
 @click.option("--max-shard-size", default="2GB", show_default=True, callback=lambda ctx, param, value: _size(value),
@@ -142,40 +141,27 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
              calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, refine, seed, resume, device,
              checkpoint_format, gguf_type, imatrix_out):
-    """Quantize a checkpoint, streaming one tensor (gptq: one layer) at a time."""
-    from ..calibrate.windows import CalibrationSettings
-    from ..errors import UsageError
+    """Quantize a checkpoint into cpu_int4, a GPTQ/AWQ export or a GGUF file, streaming one tensor
+    (calibrated methods: one layer) at a time."""
+    from .. import api
     from ..memory import peak_rss_mb
-    from ..methods.gptq_method import GptqSettings
-    from ..quantize.planning import QuantizeOptions
-    from ..quantize.recipes import Override
-    from ..quantize.request import QuantizeRequest
-    from ..quantize.run import quantize_checkpoint
 
-    if gguf_type and checkpoint_format != "gguf":
-        raise UsageError("--gguf-type is for --format gguf")
-    if checkpoint_format == "gguf":
-        from ..formats.gguf.staging import check_gguf_type
-
-        symmetric = check_gguf_type(gguf_type, symmetric)
-    _check_refine(refine, method, symmetric, checkpoint_format)
-    options = QuantizeOptions(
-        group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
-        keep_embedding=keep_embedding, untie_head=untie_head, ignore=tuple(ignore),
-        max_shard_bytes=max_shard_size, method=method, checkpoint_format=checkpoint_format,
-        recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
-        overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
-        gguf_type=gguf_type,
-    )
-    settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids, refine=refine) \
-        if method == "gptq" else None
-    calibration = CalibrationSettings(nsamples, seqlen, seed, _calibration_precision(calib_precision, device))
-    request = QuantizeRequest(model, out, options, overwrite, base_model, calib, calibration, settings, resume, device,
-                              imatrix_out)
+    if keep_embedding:
+        if embedding_bits not in (None, "16"):
+            raise click.UsageError(f"--keep-embedding is --embedding-bits 16; drop one of it and --embedding-bits "
+                                   f"{embedding_bits}")
+        embedding_bits = "16"
     start = time.perf_counter()
     shown = _ShownProgress(progress)
     try:
-        report = quantize_checkpoint(request, shown)
+        report = api.quantize(
+            model, out, format=checkpoint_format, method=method, group_size=group_size, gguf_type=gguf_type,
+            symmetric=symmetric, recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
+            overrides=overrides, ignore=ignore, untie_head=untie_head, clip_search=clip_search,
+            strict_group_size=strict_group_size, max_shard_size=max_shard_size, overwrite=overwrite,
+            base_model=base_model, calib=calib, nsamples=nsamples, seqlen=seqlen, seed=seed,
+            calib_precision=calib_precision, device=device, act_order=act_order, damp=damp,
+            weighted_grids=weighted_grids, refine=refine, resume=resume, imatrix_out=imatrix_out, progress=shown)
     finally:
         shown.close()
     if report is None:

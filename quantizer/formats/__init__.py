@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ..io.shards import TensorSpec
     from ..methods.grid import ChannelQuantized, GroupQuantized, Storage
-    from ..spec.scheme import ModuleScheme
+    from ..schema.scheme import ModuleScheme
 
 @dataclass(frozen=True)
 class SourceModel:

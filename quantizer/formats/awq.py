@@ -17,7 +17,7 @@ import torch
 
 from ..io.shards import TensorSpec
 from ..methods.grid import GroupQuantized
-from ..spec.scheme import ModuleScheme
+from ..schema.scheme import ModuleScheme
 from .gptq_v1 import GptqV1Format, pack_int32, unpack_int32, zero_points
 from .spec_check import export_problems
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import InputError
 from ..io.shards import TensorSpec
 from ..methods.grid import BF16, ChannelQuantized, GroupQuantized, Storage
-from ..spec.scheme import GROUP_SIZES, ModuleScheme
+from ..schema.scheme import GROUP_SIZES, ModuleScheme
 from .packing import PACK_N_ALIGN, pack_nibbles
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero")

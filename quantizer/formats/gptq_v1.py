@@ -17,7 +17,7 @@ import torch
 
 from ..io.shards import TensorSpec
 from ..methods.grid import INTEGER_ZERO, MID, GroupQuantized, Storage
-from ..spec.scheme import GROUP_SIZES, ModuleScheme
+from ..schema.scheme import GROUP_SIZES, ModuleScheme
 from .packing import PACK_N_ALIGN
 from .spec_check import export_problems
 
@@ -83,7 +83,7 @@ def gptq_quantization_config(group_size: int, symmetric: bool, lm_head: bool = F
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__
 

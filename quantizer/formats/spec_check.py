@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..spec.scheme import ModuleScheme
+from ..schema.scheme import ModuleScheme
 
 
 def export_problems(fmt, module: str, infos: dict, scheme: ModuleScheme, suffixes: tuple[str, ...],

@@ -52,7 +52,7 @@ def check_publishable(folder: Path) -> None:
     saved in it, if any, says PASS."""
     from ..io.checkpoint import CheckpointReader, read_config
     from ..io.tokenizer import load_tokenizer
-    from ..verify.structure import check_structure
+    from ..verification.structure import check_structure
 
     fmt = format_of_config(read_config(folder).get("quantization_config") or {})
     if fmt is not None and fmt.name != RUNTIME_FORMAT:

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers import (
+    HfQuantizer,
+    register_quantization_config,
+    register_quantizer,
+)
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import InputError
@@ -23,7 +27,7 @@ from ..formats import RUNTIME_FORMAT
 from ..io.checkpoint import CheckpointReader
 from ..io.structure import tie_word_embeddings
 from ..runtime.nn.swap import set_module
-from ..spec.config import QuantizationConfig
+from ..schema.config import QuantizationConfig
 
 
 class _Held(torch.nn.Module):
@@ -85,7 +89,7 @@ def _plain_torch_defaults():
 
 @register_quantization_config(RUNTIME_FORMAT)
 class CpuInt4Config(QuantizationConfigMixin):
-    """The checkpoint's ``quantization_config``, kept as written (see :mod:`quantizer.spec.config`)."""
+    """The checkpoint's ``quantization_config``, kept as written (see :mod:`quantizer.schema.config`)."""
 
     def __init__(self, **fields):
         fields.pop("quant_method", None)

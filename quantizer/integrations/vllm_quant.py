@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
@@ -34,8 +37,8 @@ from ..runtime.activations import current as current_activations
 from ..runtime.loader import kernel_options, with_decode_rows
 from ..runtime.nn.int4 import Int4Linear
 from ..runtime.nn.int8 import Int8Linear
-from ..spec.config import QuantizationConfig as Int4qConfig
-from ..spec.scheme import KEPT_BITS, ModuleScheme
+from ..schema.config import QuantizationConfig as Int4qConfig
+from ..schema.scheme import KEPT_BITS, ModuleScheme
 
 NAME = "cpu_int4"
 KERNEL = "int4q_kernel"  # the attribute holding a layer's int4q module after loading

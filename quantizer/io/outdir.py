@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..errors import InputError, UsageError
-from ..spec.config import QUANT_METHOD
+from ..schema.config import QUANT_METHOD
 
 REPORT_NAME = "quantization_report.json"
 

@@ -55,7 +55,7 @@ class ModelStructure:
     def quantized_modules(self, ignore: tuple[str, ...], quantize_embedding: bool, tied_output: bool) -> list[str]:
         """The modules a quantized checkpoint stores quantized: every linear not ignored, the table
         when ``quantize_embedding``, and the head unless it is tied to the table (or ignored)."""
-        from ..spec.config import matches_ignore
+        from ..schema.config import matches_ignore
 
         modules = [m for m in self.decoder_linears if not matches_ignore(m, ignore)]
         if self.embedding and quantize_embedding:

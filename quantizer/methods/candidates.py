@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..native.checked import CheckedKernel
 from .codes import code_range
-from .native import CheckedKernel
 
 LANES = 8
 ERROR, WU, WUU, WUG = range(4)  # the columns of :func:`grid_scores`

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..native.checked import CheckedKernel
 from .codes import code_range
-from .native import CheckedKernel
 
 
 class ColumnGrids:

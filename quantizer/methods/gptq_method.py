@@ -8,12 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.methods import UNCALIBRATED
-from ..spec.scheme import ModuleScheme
+from ..schema.methods import UNCALIBRATED
+from ..schema.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .gptq import HessianAccumulator, error_objective, gptq_quantize
 from .gptq_refine import refine_symmetric
-from .grid import BF16, ROW_CHUNK, GroupQuantized, Storage, quantize_groupwise, row_chunks
+from .grid import (
+    BF16,
+    ROW_CHUNK,
+    GroupQuantized,
+    Storage,
+    quantize_groupwise,
+    row_chunks,
+)
 from .rtn import quantize_rtn
 
 

@@ -57,7 +57,7 @@ def _kernel(name: str, find):
 
 
 def _find_native():
-    from ..runtime.native.library import load_unless_off, ops
+    from ..native.library import load_unless_off, ops
 
     library = load_unless_off(ops, "GPTQ's Hessians from MKL or ATen's fp32 GEMM", "Reinstall int4q")
     if library is None or not library.gram_available():

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..native.checked import CheckedKernel
 from .codes import code_range
 from .grid import ROW_CHUNK, GroupQuantized
-from .native import CheckedKernel
 
 SWEEPS = 4  # passes over a block's codes; each pass only lowers the objective
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.scheme import ModuleScheme
+from ..schema.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .grid import (
     BF16,

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from ..spec.methods import UNCALIBRATED
-from ..spec.scheme import ModuleScheme
+from ..schema.methods import UNCALIBRATED
+from ..schema.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .grid import BF16, ROW_CHUNK, ChannelQuantized, GroupQuantized, Storage
 from .rounding import refine_codes

@@ -93,7 +93,7 @@ def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], p
               gen_tokens: int, reps: int, progress=None, compile: bool = True) -> None:
     """Open each arm's decoder (the path ``int4q generate`` takes, compiled when ``compile``), warm
     it up, then run ``reps`` rounds with the arms interleaved within each round."""
-    from .decode.compiled import open_decoder
+    from .decode.opening import open_decoder
 
     decoders = {}
     for name, model in arms.items():

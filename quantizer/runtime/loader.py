@@ -14,9 +14,15 @@ from ..errors import InputError, UnsupportedError
 from ..formats import cpu_int4, format_of_config
 from ..io.aux_files import allowed_roots, leaves
 from ..io.checkpoint import CheckpointReader, read_config
-from ..io.structure import build_empty_model, check_layer_count, is_linear, linear_dims, tie_word_embeddings
+from ..io.structure import (
+    build_empty_model,
+    check_layer_count,
+    is_linear,
+    linear_dims,
+    tie_word_embeddings,
+)
 from ..memory import release_free_memory
-from ..spec.config import QuantizationConfig
+from ..schema.config import QuantizationConfig
 from .activations import EXACT, Activations
 from .activations import current as current_activations
 from .nn.fusion import fuse_projections

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from quantizer.calibrate import native_attention
-from quantizer.runtime.native.causal_attention import has_causal_attention
+from quantizer.native.causal_attention import has_causal_attention
 
 needs_kernel = pytest.mark.skipif(not has_causal_attention(), reason="int4q's causal attention needs AVX-512 BF16")
 

@@ -5,13 +5,13 @@ import torch
 
 import quantizer.calibrate.native_attention as native_attention
 import quantizer.calibrate.output_cache as output_cache
-import quantizer.quantize.layerwise as layerwise
+import quantizer.quantization.layerwise as layerwise
 from quantizer.calibrate.trace import Returned
 from quantizer.calibrate.windows import CalibrationSettings
 from quantizer.io.checkpoint import CheckpointReader
 from quantizer.io.text import builtin_text
-from quantizer.quantize.calibrated import run_calibrated
-from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+from quantizer.quantization.calibrated import run_calibrated
+from quantizer.quantization.planning import QuantizeOptions, plan_quantization
 
 
 def gptq_run(src, out, tokenizer):

@@ -12,20 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, save_byte_tokenizer, save_tiny_llama, whole_model_hessians
 from hypothesis import given
 from hypothesis import strategies as st
 
 import quantizer.calibrate.capture as capture
 from quantizer.calibrate.ranks import Ranks
 from quantizer.calibrate.state import STATE_DIR
-from quantizer.io.checkpoint import CheckpointReader
-
 from quantizer.calibrate.windows import calibration_windows
-from quantizer.io.tokenizer import load_tokenizer
+from quantizer.io.checkpoint import CheckpointReader
 from quantizer.io.text import builtin_text
-
-from conftest import REPO, save_byte_tokenizer, save_tiny_llama
-from conftest import whole_model_hessians
+from quantizer.io.tokenizer import load_tokenizer
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -89,7 +86,8 @@ def test_two_ranks_agree_on_every_hessian(tiny_four_layers, tmp_path, monkeypatc
     real_accumulate = capture.accumulate
     monkeypatch.setattr(capture, "accumulate", lambda *a, **k: single.append(real_accumulate(*a, **k)) or single[-1])
     sys.path.insert(0, str(TESTS))
-    from dist_worker import OPTIONS, main as run_worker
+    from dist_worker import OPTIONS
+    from dist_worker import main as run_worker
 
     run_worker(tiny_four_layers, tmp_path / "one", tmp_path / "h-one.pt")
     results = finish(start_ranks(2, [TESTS / "dist_worker.py", tiny_four_layers, tmp_path / "two",

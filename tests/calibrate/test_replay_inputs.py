@@ -2,11 +2,10 @@
 outputs, and then computes the step before's linears no more."""
 
 import torch
+from test_trace import ATTENTION, MLP, llama_layer
 
 from quantizer.calibrate.replay_inputs import replay_inputs
 from quantizer.calibrate.trace import trace_layer
-
-from test_trace import ATTENTION, MLP, llama_layer
 
 
 class Mlp(torch.nn.Module):

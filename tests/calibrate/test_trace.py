@@ -8,7 +8,7 @@ import quantizer.calibrate.capture as capture
 from quantizer.calibrate.trace import Returned, trace_layer
 from quantizer.io.checkpoint import CheckpointReader
 from quantizer.io.structure import build_empty_model
-from quantizer.quantize.layerwise import _materialize as materialize
+from quantizer.quantization.layerwise import _materialize as materialize
 
 ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
 MLP = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}

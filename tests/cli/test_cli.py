@@ -6,10 +6,9 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from conftest import interrupt_gptq_at_second_layer, quantize_to
 
 from quantizer.cli.main import main
-
-from conftest import interrupt_gptq_at_second_layer, quantize_to
 
 
 def run(*args, **kwargs):
@@ -174,7 +173,7 @@ def test_bench_json_into_a_missing_folder_is_refused_before_measuring(tiny_q, tm
 
 
 def test_bench_without_prefill(tiny_q, tmp_path):
-    from quantizer.runtime.native.w4a8 import has_w4a8
+    from quantizer.runtime.kernels.w4a8 import has_w4a8
 
     result = run("bench", tiny_q, "--prompt-tokens", 0, "--gen-tokens", 3, "--reps", 1, "--no-compile",
                  "--decode", "int8", "--json", tmp_path / "b.json")
@@ -187,7 +186,7 @@ def test_bench_without_prefill(tiny_q, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_keeps_the_finished_layers_and_says_so_like_ctrl_c(tiny_model_tok, tmp_path, monkeypatch, signum):
-    import quantizer.quantize.layerwise as layerwise
+    import quantizer.quantization.layerwise as layerwise
     from quantizer.io.outdir import partial_dir
 
     real = layerwise._materialize
@@ -245,9 +244,9 @@ def test_a_decode_only_bench_prints_no_prefill_numbers(tiny_model_tok):
 
 
 def test_generate_stats_are_printed_when_decoding_falls_back_to_transformers(tmp_path, monkeypatch):
+    from conftest import save_byte_tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from conftest import save_byte_tokenizer
     from quantizer.runtime.decode import compiled
 
     monkeypatch.setattr(compiled, "_warned", set())  # this process's once-only warnings stay as they were
@@ -265,7 +264,7 @@ def test_generate_stats_are_printed_when_decoding_falls_back_to_transformers(tmp
 
 def test_a_damaged_saved_layer_is_found_when_resuming_starts_and_never_advises_resume(tiny_model_tok, tmp_path,
                                                                                       monkeypatch):
-    import quantizer.quantize.layerwise as layerwise
+    import quantizer.quantization.layerwise as layerwise
     from quantizer.calibrate.state import STATE_DIR, layer_file
     from quantizer.io.outdir import partial_dir
 
@@ -299,8 +298,8 @@ def test_the_cli_starts_without_importing_torch_or_transformers():
 
 def test_generate_saves_a_quick_start_once_and_the_next_run_prints_the_same_text(tiny_model_tok, tmp_path,
                                                                                     monkeypatch):
-    from quantizer.runtime.native.w4a8 import has_w4a8
-    from quantizer.runtime.native.w4a8_rows import has_w4a8_rows
+    from quantizer.runtime.kernels.w4a8 import has_w4a8
+    from quantizer.runtime.kernels.w4a8_rows import has_w4a8_rows
 
     if not (has_w4a8() or has_w4a8_rows()):
         pytest.skip("this CPU has no int8 kernel: no native step, no snapshot")

@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.io.checkpoint import TensorInfo
 from quantizer.errors import UnsupportedError
 from quantizer.formats import NAMES, format_of_config, get_format
+from quantizer.io.checkpoint import TensorInfo
 from quantizer.methods.grid import quantize_groupwise, quantize_per_channel
-from quantizer.spec.scheme import ModuleScheme
+from quantizer.schema.scheme import ModuleScheme
 
 
 def infos_of(tensors):

@@ -151,7 +151,7 @@ def test_an_output_name_without_gguf_and_a_missing_converter_are_one_line(source
         result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf")
     finally:
         converter.load.cache_clear()
-    assert result.exit_code != 0 and "need llama.cpp's converter" in result.stderr and "setup_gguf.sh" in result.stderr
+    assert result.exit_code != 0 and "need llama.cpp's converter" in result.stderr and "int4q setup-gguf" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -203,7 +203,7 @@ def test_the_bundled_models_file_has_the_tensors_and_keys_of_convert_hf_to_gguf(
 
 def test_where_the_converter_writes_no_head_of_its_own_gptq_keeps_the_head_tied(source, monkeypatch):
     from quantizer.formats.gguf import converter
-    from quantizer.quantize.planning import QuantizeOptions, plan_quantization
+    from quantizer.quantization.planning import QuantizeOptions, plan_quantization
 
     monkeypatch.setattr(converter, "preflight", lambda model_dir, config: False)  # as for Gemma
     plan = plan_quantization(source, QuantizeOptions(method="gptq", checkpoint_format="gguf"))

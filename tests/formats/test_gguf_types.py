@@ -85,7 +85,7 @@ def round_trip(path, source, min_snr_db: float):
     """verify's round trip of a file: every quantized tensor against the converted source."""
     from quantizer.formats.gguf.assemble import converted_source
     from quantizer.io.checkpoint import read_config
-    from quantizer.verify.gguf import check_round_trip, read_gguf
+    from quantizer.verification.gguf import check_round_trip, read_gguf
 
     reader, qconfig = read_gguf(path)
     expected, _ = converted_source(source, read_config(source))

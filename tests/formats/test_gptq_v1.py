@@ -2,7 +2,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.formats.gptq_v1 import dequantize_gptq, gptq_tensors, pack_int32, unpack_int32, zero_points
+from quantizer.formats.gptq_v1 import (
+    dequantize_gptq,
+    gptq_tensors,
+    pack_int32,
+    unpack_int32,
+    zero_points,
+)
 from quantizer.methods.gptq import HessianAccumulator, gptq_quantize
 from quantizer.methods.grid import INTEGER_ZERO
 

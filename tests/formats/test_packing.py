@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import AVX512_LAYOUT, needs_avx512_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,6 @@ from quantizer.formats.packing import (
     to_int4pack,
     unpack_nibbles,
 )
-
-from conftest import AVX512_LAYOUT, needs_avx512_layout
 
 
 def test_pack_nibbles_matches_golden_bytes():

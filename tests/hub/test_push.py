@@ -6,10 +6,10 @@ import shutil
 import pytest
 import yaml
 from click.testing import CliRunner
-from huggingface_hub import hf_hub_download
-
 from conftest import save_byte_tokenizer
 from hub_server import HubServer
+from huggingface_hub import hf_hub_download
+
 from quantizer.cli.main import main
 
 TOKEN, OTHER = "hf_alice_secret_token", "hf_bob_token"

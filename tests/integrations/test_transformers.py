@@ -4,14 +4,13 @@ folder that loads to the same logits."""
 
 import pytest
 import torch
+from conftest import quantize_to
 
 import quantizer.integrations.transformers  # noqa: F401  (registers cpu_int4 with transformers)
 from quantizer.io.checkpoint import CheckpointReader
 from quantizer.runtime import load_model
 from quantizer.runtime.nn.int4 import Int4Linear
-from quantizer.verify.structure import check_structure
-
-from conftest import quantize_to
+from quantizer.verification.structure import check_structure
 
 IDS = torch.tensor([[1, 5, 9, 200, 33, 7, 480, 2]])
 

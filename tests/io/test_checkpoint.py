@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantizer.io.checkpoint import CheckpointReader
 from quantizer.errors import InputError
+from quantizer.io.checkpoint import CheckpointReader
 
 
 def test_reader_reads_what_safetensors_wrote(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantizer.io.checkpoint import CheckpointReader
 from quantizer.errors import InputError
+from quantizer.io.checkpoint import CheckpointReader
 from quantizer.io.shards import ShardWriter, TensorSpec, parse_size, write_safetensors
 
 

@@ -1,12 +1,16 @@
 """The model's own module tree decides which tensors are linears, the table and the head."""
 
 import pytest
-
-from quantizer.io.checkpoint import read_config
-from quantizer.errors import UnsupportedError
-from quantizer.io.structure import architecture_mismatches, build_empty_model, decoder_layers, inspect_structure
-
 from conftest import save_byte_tokenizer, save_tiny_llama
+
+from quantizer.errors import UnsupportedError
+from quantizer.io.checkpoint import read_config
+from quantizer.io.structure import (
+    architecture_mismatches,
+    build_empty_model,
+    decoder_layers,
+    inspect_structure,
+)
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

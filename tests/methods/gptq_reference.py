@@ -3,7 +3,12 @@ order: the reference the package's faster loop and factorisation must reproduce.
 
 import torch
 
-from quantizer.methods.grid import grid_params, grid_values, round_to_grid, weighted_grid_search
+from quantizer.methods.grid import (
+    grid_params,
+    grid_values,
+    round_to_grid,
+    weighted_grid_search,
+)
 
 
 def reference_inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from quantizer.methods import candidates
 from quantizer.methods.candidates import ERROR, grid_scores, lane_sum, torch_scores
-from quantizer.methods.codes import code_range, grid_values, group_sq_error, round_to_grid
+from quantizer.methods.codes import (
+    code_range,
+    grid_values,
+    group_sq_error,
+    round_to_grid,
+)
 
 
 def problem(rows, groups, group, seed):

@@ -2,14 +2,13 @@ import logging
 
 import pytest
 import torch
+from gptq_reference import reference_gptq, reference_inverse_cholesky
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantizer.methods import gptq
 from quantizer.methods.gptq import HessianAccumulator, error_objective, gptq_quantize
 from quantizer.methods.grid import grid_params, quantize_groupwise
-
-from gptq_reference import reference_gptq, reference_inverse_cholesky
 
 
 def correlated_inputs(k, rows=2048, seed=0):

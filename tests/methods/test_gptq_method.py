@@ -8,7 +8,7 @@ from quantizer.methods.error_stats import ErrorStats
 from quantizer.methods.gptq import HessianAccumulator, error_objective
 from quantizer.methods.gptq_method import GptqMethod
 from quantizer.methods.grid import quantize_groupwise
-from quantizer.spec.scheme import ModuleScheme
+from quantizer.schema.scheme import ModuleScheme
 
 
 @settings(max_examples=15, deadline=None)

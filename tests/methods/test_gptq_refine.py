@@ -7,12 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantizer.methods import gptq_refine
 from quantizer.methods.gptq import HessianAccumulator, error_objective, gptq_quantize
 from quantizer.methods.gptq_method import GptqMethod, GptqSettings
-from quantizer.methods import gptq_refine
 from quantizer.methods.gptq_refine import refine_symmetric
 from quantizer.methods.grid import BF16, Storage
-from quantizer.spec.scheme import ModuleScheme
+from quantizer.schema.scheme import ModuleScheme
 
 Q4_0 = Storage(torch.float16, "integer", 32, signed_scale=True)
 Q5_0 = Storage(torch.float16, "integer", 32, signed_scale=True, bits=5)

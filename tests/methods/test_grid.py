@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantizer.methods.error_stats import ErrorStats
-from quantizer.methods.grid import BF16, INTEGER_ZERO, Storage, quantize_groupwise, round_to_grid
+from quantizer.methods.grid import (
+    BF16,
+    INTEGER_ZERO,
+    Storage,
+    quantize_groupwise,
+    round_to_grid,
+)
 
 SIGNED = Storage(torch.float16, "integer", signed_scale=True)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantizer.methods.rtn import quantize_rtn
-from quantizer.spec.scheme import ModuleScheme
+from quantizer.schema.scheme import ModuleScheme
 
 
 def test_row_chunks_give_the_whole_tensor_result(monkeypatch):

@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from conftest import quantize_to
 
 from quantizer.errors import UsageError
 from quantizer.runtime import load_model
 from quantizer.runtime.activations import ENV, Activations, choose, current
 from quantizer.runtime.decode.compiled import artifact_path
-from quantizer.runtime.native.w4a8 import has_w4a8
+from quantizer.runtime.kernels.w4a8 import has_w4a8
 from quantizer.runtime.nn.int4 import Int4Linear
-
-from conftest import quantize_to
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from quantizer.cli.main import main
+from quantizer.native.cache import record_digest
 from quantizer.runtime import load_model
-from quantizer.runtime.cache import record_digest
-from quantizer.runtime.decode import background
+from quantizer.runtime.decode import background, opening
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode.generation import fast_greedy
 
@@ -31,18 +31,18 @@ def cache(tmp_path_factory):
 
 @pytest.fixture
 def model(tiny_model, cache, monkeypatch):
-    monkeypatch.setattr(fastpath, "_steps", {})  # as in a fresh process
+    monkeypatch.setattr(fastpath, "checked_steps", {})  # as in a fresh process
     return load_model(tiny_model)
 
 
 def eager_tokens(model):
-    return list(fast_greedy(fastpath.open_decoder(model, 64, compile=False), IDS, TOKENS, set()))
+    return list(fast_greedy(opening.open_decoder(model, 64, compile=False), IDS, TOKENS, set()))
 
 
 def test_a_first_run_decodes_eagerly_while_a_background_process_compiles_the_step(model, tiny_model, caplog):
     threads = torch.get_num_threads()
     with caplog.at_level(logging.WARNING):
-        decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+        decoder = opening.open_decoder(model, 64, source=tiny_model)
     assert decoder.compiled is None and decoder.pending.worker is not None
     assert "decoding eagerly while the decode step compiles in the background (about" in caplog.text
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
@@ -56,7 +56,7 @@ def test_a_first_run_decodes_eagerly_while_a_background_process_compiles_the_ste
 def test_a_later_run_reads_the_saved_step_in_a_thread_and_compiles_nothing(model, tiny_model, monkeypatch):
     monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
     monkeypatch.setattr(background, "start_worker", lambda *a: pytest.fail("started a compile"))
-    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    decoder = opening.open_decoder(model, 64, source=tiny_model)
     assert decoder.pending is not None and decoder.pending.worker is None
     assert decoder.pending.wait(timeout=300) is not None
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
@@ -84,7 +84,7 @@ def test_a_run_that_finds_a_compile_under_way_starts_no_second_one(model, tiny_m
     threads = torch.get_num_threads()
     with background.exclusive(artifact) as held, caplog.at_level(logging.WARNING):
         assert held and not background.saved_step_ready(artifact)
-        decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+        decoder = opening.open_decoder(model, 64, source=tiny_model)
         assert decoder.pending is not None and decoder.pending.worker is None
         assert "while another int4q run compiles it in the background" in caplog.text
         lent = threads >= len(os.sched_getaffinity(0))  # the other run's worker has a core of its own
@@ -127,7 +127,7 @@ def test_an_unusable_saved_step_is_removed_and_compiled_again(model, tiny_model,
     record_digest(artifact)
     restarted = []
     monkeypatch.setattr(background, "start_worker", lambda source, path, max_len: restarted.append(path))
-    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    decoder = opening.open_decoder(model, 64, source=tiny_model)
     assert decoder.pending.wait(timeout=60) is None
     assert restarted == [artifact] and not artifact.exists()
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model) and decoder.compiled is None
@@ -140,10 +140,10 @@ def test_a_step_that_does_not_compile_is_not_compiled_again_by_later_runs(model,
     monkeypatch.setattr(fastpath, "_warned", set())
     monkeypatch.setattr(fastpath, "artifact_path", lambda m, variant="": fastpath.compiled_dir() / "broken.aot")
     monkeypatch.setattr(fastpath, "_aot_compile", broken)
-    assert fastpath.open_decoder(model, 64).compiled is None
+    assert opening.open_decoder(model, 64).compiled is None
     assert "no C++ compiler" in (fastpath.compiled_dir() / "broken.failed").read_text()
     monkeypatch.setattr(background, "start_worker", lambda *a: pytest.fail("started a compile"))
-    decoder = fastpath.open_decoder(model, 64, source=tiny_model)
+    decoder = opening.open_decoder(model, 64, source=tiny_model)
     assert decoder.compiled is None and decoder.pending is None
     assert list(fast_greedy(decoder, IDS, TOKENS, set())) == eager_tokens(model)
 
@@ -162,13 +162,13 @@ def test_int4q_compile_of_a_step_that_does_not_compile_is_one_line_naming_the_ma
 
 
 def test_a_short_generation_decodes_eagerly_unless_told_to_compile(tiny_model_tok, cache, monkeypatch):
-    monkeypatch.setattr(fastpath, "_steps", {})
-    monkeypatch.setattr(fastpath, "_step_in_background", lambda *a: pytest.fail("read or compiled a step"))
+    monkeypatch.setattr(fastpath, "checked_steps", {})
+    monkeypatch.setattr(opening, "_step_in_background", lambda *a: pytest.fail("read or compiled a step"))
     monkeypatch.setattr(fastpath, "compile_step", lambda *a: pytest.fail("compiled a step"))
     args = ["generate", str(tiny_model_tok), "--prompt", "def f(x):", "--max-new-tokens", "8"]
     short = CliRunner().invoke(main, args)
     assert short.exit_code == 0, short.output
     asked = []
-    monkeypatch.setattr(fastpath, "_step_in_background", lambda decoder, artifact, source: asked.append(source))
+    monkeypatch.setattr(opening, "_step_in_background", lambda decoder, artifact, source: asked.append(source))
     forced = CliRunner().invoke(main, [*args, "--compile"])
     assert forced.exit_code == 0 and asked == [tiny_model_tok], forced.output

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from quantizer.runtime import cache
+from quantizer.native import cache
 from quantizer.runtime.decode import compiled as fastpath
+from quantizer.runtime.decode import opening
 from quantizer.runtime.loader import load_model
 
 
@@ -45,7 +46,7 @@ def test_an_untrusted_cache_decodes_compiled_but_loads_and_saves_nothing_there(t
     monkeypatch.setattr(fastpath, "_warned", set())
     monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("loaded a step from an untrusted cache"))
     with caplog.at_level(logging.WARNING):
-        decoder = fastpath.open_decoder(load_model(tiny_model), 16)
+        decoder = opening.open_decoder(load_model(tiny_model), 16)
     assert decoder.compiled is not None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and not r.getMessage().startswith("compiling the decode step")]
@@ -56,11 +57,11 @@ def test_an_untrusted_cache_decodes_compiled_but_loads_and_saves_nothing_there(t
 def test_a_planted_step_is_never_unpickled(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
     model = load_model(tiny_model)
-    fastpath._steps.clear()
-    fastpath.open_decoder(model, 16)
+    fastpath.checked_steps.clear()
+    opening.open_decoder(model, 16)
     artifact = fastpath.artifact_path(model)
     assert cache.matches_digest(artifact)
     artifact.write_bytes(b"\x80\x04 a pickle someone else wrote")
-    fastpath._steps.clear()
+    fastpath.checked_steps.clear()
     monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("unpickled a file int4q did not save"))
-    assert fastpath.open_decoder(model, 16).compiled is not None
+    assert opening.open_decoder(model, 16).compiled is not None

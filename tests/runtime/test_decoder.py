@@ -4,16 +4,16 @@ import logging
 
 import pytest
 import torch
+from conftest import quantize_to, save_byte_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import quantize_to, save_byte_tokenizer
 
 from quantizer.io.tokenizer import load_tokenizer
+from quantizer.native.cache import cache_dir
 from quantizer.runtime import load_model
 from quantizer.runtime.activations import EXACT, Activations
-from quantizer.runtime.cache import cache_dir
-from quantizer.runtime.native.attention import reference as attention_reference
 from quantizer.runtime.decode import compiled as fastpath
+from quantizer.runtime.decode import opening
 from quantizer.runtime.decode.decoder import (
     FAST_MODEL_TYPES,
     FastDecoder,
@@ -34,6 +34,7 @@ from quantizer.runtime.decode.generation import (
     greedy_ids,
     greedy_token,
 )
+from quantizer.runtime.kernels.attention import reference as attention_reference
 
 
 def save_tiny_qwen2(path):
@@ -161,7 +162,7 @@ def test_compile_failure_decodes_eagerly_after_one_warning(tiny_model, monkeypat
 
     monkeypatch.setattr(fastpath, "_aot_compile", broken)
     with caplog.at_level(logging.WARNING):
-        decoder = fastpath.open_decoder(load_model(tiny_model), 16)
+        decoder = opening.open_decoder(load_model(tiny_model), 16)
     assert decoder.compiled is None and decoder.position == 0
     assert [r.message for r in caplog.records if "torch.compile failed (RuntimeError: no C++ compiler)" in r.message]
     assert decoder.forward(torch.tensor([[1]])).shape == (1, 512)
@@ -172,39 +173,39 @@ def test_compiled_greedy_equals_eager_and_a_saved_step_loads_without_compiling(t
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
     model = load_model(tiny_model)
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(4))
-    compiled = fastpath.open_decoder(model, 40)
+    compiled = opening.open_decoder(model, 40)
     assert compiled.compiled is not None
     saved = list(tmp_path.rglob("*.aot"))
     assert len(saved) == 1 and saved[0] == fastpath.artifact_path(model)
     assert list((cache_dir() / "inductor").iterdir())  # the step's C++ is kept with int4q's cache, not in /tmp
-    eager = fastpath.open_decoder(model, 40, compile=False)
+    eager = opening.open_decoder(model, 40, compile=False)
     assert list(fast_greedy(compiled, ids, 24, set())) == list(fast_greedy(eager, ids, 24, set()))
 
-    fastpath._steps.clear()  # as a new process would
+    fastpath.checked_steps.clear()  # as a new process would
     monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
-    loaded = fastpath.open_decoder(load_model(tiny_model), 40)
+    loaded = opening.open_decoder(load_model(tiny_model), 40)
     assert list(fast_greedy(loaded, ids, 24, set())) == list(fast_greedy(eager, ids, 24, set()))
 
 
 def test_a_damaged_or_wrong_saved_step_costs_a_compile_never_a_failure(tiny_model, monkeypatch, tmp_path):
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
     model = load_model(tiny_model)
-    fastpath.open_decoder(model, 16)
+    opening.open_decoder(model, 16)
     artifact = fastpath.artifact_path(model)
-    fastpath._steps.clear()
+    fastpath.checked_steps.clear()
     artifact.write_bytes(b"truncated")
-    assert fastpath.open_decoder(model, 16).compiled is not None
+    assert opening.open_decoder(model, 16).compiled is not None
     vocab = model.config.vocab_size
 
     def wrong(*args):  # loads, but computes something else
         return torch.zeros(1, vocab)
 
-    fastpath._steps.clear()
+    fastpath.checked_steps.clear()
     monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: wrong)
-    decoder = fastpath.open_decoder(model, 16)
+    decoder = opening.open_decoder(model, 16)
     assert decoder.compiled is not None and decoder.compiled is not wrong
     ids = torch.tensor([[5, 6]])
-    eager = fastpath.open_decoder(model, 16, compile=False)
+    eager = opening.open_decoder(model, 16, compile=False)
     assert list(fast_greedy(decoder, ids, 8, set())) == list(fast_greedy(eager, ids, 8, set()))
 
 
@@ -216,13 +217,13 @@ def test_the_cache_key_covers_the_module_structure(tiny_model, tmp_path):
 
 
 def test_fast_greedy_equals_todays_generate_on_the_verify_prompts(smollm2_g64):
-    from quantizer.verify.fidelity import GREEDY_PROMPTS
+    from quantizer.verification.fidelity import GREEDY_PROMPTS
 
     # Exact decode (int8 decode leaves transformers' arithmetic: its native step is tested against eager).
     exact_decode = Activations("exact", "int8")
     model, tokenizer = load_model(smollm2_g64, activations=exact_decode), load_tokenizer(smollm2_g64)
     unfused = load_model(smollm2_g64, fuse=False, activations=exact_decode)
-    decoder = fastpath.open_decoder(model, 160)
+    decoder = opening.open_decoder(model, 160)
     assert decoder.compiled is not None
     for kind, prompt in GREEDY_PROMPTS:
         ids = encode_prompt(tokenizer, prompt, chat=kind == "chat")
@@ -243,7 +244,7 @@ def test_two_models_in_one_process_each_get_their_own_graph(tiny_model, tmp_path
     for options in ({"group_size": 64}, {"group_size": 32}, None):  # other scale shapes, then bf16
         path = quantize_to(tiny_model, tmp_path / f"q{len(list(tmp_path.iterdir()))}", **options) if options else tiny_model
         model = load_model(path, activations=Activations("exact", "int8"))  # int8 decode would take the native step
-        compiled, eager = fastpath.open_decoder(model, 16), fastpath.open_decoder(model, 16, compile=False)
+        compiled, eager = opening.open_decoder(model, 16), opening.open_decoder(model, 16, compile=False)
         assert compiled.compiled is not None
         assert list(fast_greedy(compiled, ids, 8, set())) == list(fast_greedy(eager, ids, 8, set()))
 
@@ -266,7 +267,7 @@ def test_the_exact_norm_is_each_fast_model_types_rms_norm_bit_for_bit(module_pat
 
 
 def test_compiled_norms_take_their_variance_from_the_opaque_operator(tiny_model):
-    from quantizer.runtime.native import gemv
+    from quantizer.runtime.kernels import gemv
 
     if not gemv.has_gemv():
         pytest.skip("int4q's operators are not loaded on this CPU: the compiled step uses Inductor's reduction")

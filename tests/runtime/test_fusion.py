@@ -2,16 +2,20 @@
 
 import pytest
 import torch
+from conftest import quantize_to
 
 from quantizer.formats.cpu_int4 import FORMAT
 from quantizer.methods.grid import quantize_groupwise
-from quantizer.spec.scheme import ModuleScheme
 from quantizer.runtime import load_model
-from quantizer.runtime.nn.fusion import Int4Group, Int4Slice, fuse_linears, fuse_projections
+from quantizer.runtime.nn.fusion import (
+    Int4Group,
+    Int4Slice,
+    fuse_linears,
+    fuse_projections,
+)
 from quantizer.runtime.nn.int4 import Int4Linear
 from quantizer.runtime.nn.swap import dequantize_modules
-
-from conftest import quantize_to
+from quantizer.schema.scheme import ModuleScheme
 
 
 def random_int4_linear(n, k, seed, bias=False):

@@ -1,12 +1,11 @@
 """The quantized linears' prefill GEMM (quantizer.runtime.nn.gemm) and the CPU facts it reads
-(quantizer.runtime.cpu)."""
+(quantizer.native.cpu)."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from quantizer.runtime import cpu
-from quantizer.runtime.cache import machine_identity
+from quantizer.native import cpu
+from quantizer.native.cache import machine_identity
 from quantizer.runtime.nn import gemm
 
 
@@ -38,11 +37,3 @@ def test_without_them_it_multiplies_the_same_values_in_fp32_and_rounds_to_bf16(m
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one bf16 rounding of an fp32 sum
 
 
-@pytest.mark.parametrize("device, native, want", [("cuda", False, "bf16"), ("cpu", True, "bf16"),
-                                                  ("cpu", False, "fp32")])
-def test_calibration_precision_auto_is_the_fast_one_for_the_device(monkeypatch, device, native, want):
-    from quantizer.cli.quantize import _calibration_precision
-
-    monkeypatch.setattr(cpu, "native_bf16_matmul", lambda: native)
-    assert _calibration_precision("auto", device) == want
-    assert _calibration_precision("fp32", device) == "fp32" and _calibration_precision("bf16", device) == "bf16"

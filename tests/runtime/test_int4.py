@@ -2,15 +2,14 @@ import logging
 
 import pytest
 import torch
+from conftest import AVX512_LAYOUT, needs_avx512_layout
 
 import quantizer.runtime.nn.int4 as modules
-from quantizer.methods.grid import quantize_groupwise
 from quantizer.formats.packing import pack_nibbles
+from quantizer.methods.grid import quantize_groupwise
 from quantizer.runtime.nn.gemm import prefill_linear
 from quantizer.runtime.nn.int4 import Int4Linear, quantize_embedding_module, tied_head
 from quantizer.runtime.nn.swap import dequantize_modules
-
-from conftest import AVX512_LAYOUT, needs_avx512_layout
 
 
 def quantized(n, k, group, seed=0):
@@ -135,7 +134,7 @@ def test_dequantize_modules_keeps_the_function_and_the_tie():
 
 @pytest.mark.parametrize("int8_decode, int8_prefill", [(True, False), (False, True), (True, True)])
 def test_int8_activations_go_through_the_int8_operator_for_the_chosen_rows(int8_decode, int8_prefill):
-    from quantizer.runtime.native.w4a8 import has_w4a8
+    from quantizer.runtime.kernels.w4a8 import has_w4a8
 
     if not has_w4a8():
         pytest.skip("this CPU has no AVX-512 VNNI: int8 activations fall back to the exact paths")

@@ -4,18 +4,17 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import quantize_to
 
 from quantizer.cli.main import main
 from quantizer.errors import InputError, UnsupportedError
+from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime import load_model
 from quantizer.runtime.activations import ENV, EXACT, Activations
-from quantizer.runtime.native.w4a8 import has_w4a8
-from quantizer.io.tokenizer import load_tokenizer
 from quantizer.runtime.decode.generation import encode_prompt, greedy_ids
+from quantizer.runtime.kernels.w4a8 import has_w4a8
 from quantizer.runtime.nn.int4 import Int4Linear, Int4Lookup
 from quantizer.runtime.nn.swap import dequantize_modules
-
-from conftest import quantize_to
 
 
 def logits(model, ids):

@@ -12,9 +12,9 @@ from quantizer.runtime import load_model
 from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.bench import describe_path
 from quantizer.runtime.decode import native_step as native
-from quantizer.runtime.decode.compiled import open_decoder
 from quantizer.runtime.decode.decoder import FastDecoder
-from quantizer.runtime.native.w4a8 import has_w4a8
+from quantizer.runtime.decode.opening import open_decoder
+from quantizer.runtime.kernels.w4a8 import has_w4a8
 
 INT8_DECODE = Activations("int8", "exact")
 

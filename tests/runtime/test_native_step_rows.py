@@ -4,13 +4,19 @@ int4q does not decode) is the eager int8 step bit for bit and takes a prompt as 
 import pytest
 import torch
 from conftest import quantize_to
-from test_native_step import INT8, INT8_DECODE, greedy_logits, greedy_logits_from, save_tiny
+from test_native_step import (
+    INT8,
+    INT8_DECODE,
+    greedy_logits,
+    greedy_logits_from,
+    save_tiny,
+)
 
+import quantizer.runtime.nn.int4 as int4_modules
 from quantizer.runtime import load_model
 from quantizer.runtime.decode import native_step as native
 from quantizer.runtime.decode.decoder import FastDecoder
-from quantizer.runtime.native.w4a8_rows import ROWS_LIMIT, has_w4a8_rows
-import quantizer.runtime.nn.int4 as int4_modules
+from quantizer.runtime.kernels.w4a8_rows import ROWS_LIMIT, has_w4a8_rows
 from quantizer.runtime.nn.int4 import Int4Linear
 
 pytestmark = pytest.mark.skipif(not has_w4a8_rows(), reason="this CPU has no AVX2 + FMA: no row-major int8 kernel")

@@ -18,8 +18,8 @@ from quantizer.runtime.activations import EXACT, Activations
 from quantizer.runtime.decode import snapshot
 from quantizer.runtime.decode.generation import GenerationStats, generate_text
 from quantizer.runtime.decode.quick_tokenizer import quick_record
-from quantizer.runtime.native.w4a8 import has_w4a8
-from quantizer.runtime.native.w4a8_rows import has_w4a8_rows
+from quantizer.runtime.kernels.w4a8 import has_w4a8
+from quantizer.runtime.kernels.w4a8_rows import has_w4a8_rows
 
 INT8 = Activations("int8", "int8")
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

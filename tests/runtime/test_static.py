@@ -9,9 +9,14 @@ from conftest import quantize_to, save_tiny_gpt2
 
 from quantizer.runtime import load_model
 from quantizer.runtime.decode import compiled as fastpath
-from quantizer.runtime.decode.generation import fast_greedy
+from quantizer.runtime.decode import opening
 from quantizer.runtime.decode.exact_length import NAME, attends_over_exact_length
-from quantizer.runtime.decode.static import StaticDecoder, cache_argument, cache_positions
+from quantizer.runtime.decode.generation import fast_greedy
+from quantizer.runtime.decode.static import (
+    StaticDecoder,
+    cache_argument,
+    cache_positions,
+)
 
 PROMPT = torch.tensor([[1, 40, 7, 300, 12]])
 
@@ -38,7 +43,7 @@ def test_a_gpt2_computes_the_logits_of_transformers_default_dynamic_cache_bit_fo
 
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(3))
     steps = [ids[:, :-3]] + [ids[:, i : i + 1] for i in range(8, 11)]
-    decoder = fastpath.open_decoder(gpt2_int4, 64, compile=False)
+    decoder = opening.open_decoder(gpt2_int4, 64, compile=False)
     assert isinstance(decoder, StaticDecoder) and decoder.exact_length
     kwargs = {cache_argument(gpt2_int4): DynamicCache(config=gpt2_int4.config), "use_cache": True, "logits_to_keep": 1}
     with torch.inference_mode():
@@ -73,21 +78,21 @@ def test_a_model_outside_transformers_attention_interface_decodes_as_generate_wi
                           new_decoder_architecture=True, alibi=False, parallel_attn=True, bias=False)
     FalconForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
     model = load_model(quantize_to(tmp_path / "src", tmp_path / "q", group_size=32))
-    decoder = fastpath.open_decoder(model, 64, compile=False)
+    decoder = opening.open_decoder(model, 64, compile=False)
     assert isinstance(decoder, StaticDecoder) and not decoder.exact_length
     assert list(fast_greedy(decoder, PROMPT, 16, set())) == greedy_generate(model, "static")
 
 
 def test_the_compiled_static_step_decodes_the_eager_tokens(gpt2_int4, tmp_path, monkeypatch):
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path)
-    monkeypatch.setattr(fastpath, "_steps", {})
-    compiled = fastpath.open_decoder(gpt2_int4, 64)
+    monkeypatch.setattr(fastpath, "checked_steps", {})
+    compiled = opening.open_decoder(gpt2_int4, 64)
     assert compiled.compiled is not None and list(tmp_path.glob("*.aot"))
-    eager = fastpath.open_decoder(gpt2_int4, 64, compile=False)
+    eager = opening.open_decoder(gpt2_int4, 64, compile=False)
     assert list(fast_greedy(compiled, PROMPT, 24, set())) == list(fast_greedy(eager, PROMPT, 24, set()))
-    monkeypatch.setattr(fastpath, "_steps", {})  # a fresh process: the saved step, not a compile
+    monkeypatch.setattr(fastpath, "checked_steps", {})  # a fresh process: the saved step, not a compile
     monkeypatch.setattr(fastpath, "_aot_compile", lambda d: pytest.fail("compiled again"))
-    assert fastpath.open_decoder(gpt2_int4, 64).compiled is not None
+    assert opening.open_decoder(gpt2_int4, 64).compiled is not None
 
 
 @pytest.mark.parametrize("window", [512, 8], ids=["window-holds-the-sequence", "sequence-outgrows-the-window"])
@@ -101,10 +106,10 @@ def test_a_sliding_window_model_decodes_compiled_as_generate(window, tmp_path, m
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
     model = load_model(quantize_to(tmp_path / "src", tmp_path / "q", group_size=32))
     monkeypatch.setattr(fastpath, "compiled_dir", lambda: tmp_path / "cache")
-    monkeypatch.setattr(fastpath, "_steps", {})
-    compiled = fastpath.open_decoder(model, 64)
+    monkeypatch.setattr(fastpath, "checked_steps", {})
+    compiled = opening.open_decoder(model, 64)
     assert isinstance(compiled, StaticDecoder) and compiled.compiled is not None
-    eager = fastpath.open_decoder(model, 64, compile=False)
+    eager = opening.open_decoder(model, 64, compile=False)
     tokens = list(fast_greedy(compiled, PROMPT, 24, set()))  # 29 positions: past a window of 8
     assert tokens == list(fast_greedy(eager, PROMPT, 24, set()))
     assert tokens == greedy_generate(model, tokens=24)

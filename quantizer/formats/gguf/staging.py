@@ -15,7 +15,7 @@ import torch
 from ...errors import InputError
 from ...io.shards import TensorSpec
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
-from ...spec.scheme import ModuleScheme
+from ...schema.scheme import ModuleScheme
 from .blocks import BLOCK, TYPES, BlockType, block_type
 from .types import DEFAULT, GGUF_TYPES, GgufType, fallback, guarded_downs, mixture_bits
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...spec.scheme import GROUPS_OF, KEPT_BITS, ModuleScheme, more_bits_layer
+from ...schema.scheme import GROUPS_OF, KEPT_BITS, ModuleScheme, more_bits_layer
 
 BLOCK = 32  # weights per block of the legacy types (and per group of Q4_K/Q5_K)
 SUPER = 256  # weights per K-quant super-block

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import subprocess
@@ -25,33 +24,13 @@ from pathlib import Path
 import torch
 
 from ...errors import InputError, UnsupportedError
-from ..cache import UntrustedCache, digest_path, matches_digest
+from ...native.cache import UntrustedCache, digest_path, matches_digest
 from . import compiled as steps
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
-SECONDS_PER_LAYER = 4.5
-"""A compile's expected duration per decoder layer until this machine has measured its own."""
 WORKER_NICENESS = 10
-
-
-def _rate_file() -> Path:
-    return steps.compiled_dir() / "compile_seconds_per_layer.json"
-
-
-def expected_compile_seconds(layers: int) -> float:
-    """What compiling a step of ``layers`` layers took here last time (a default before any)."""
-    try:
-        rate = float(json.loads(_rate_file().read_text())["seconds_per_layer"])
-    except (OSError, ValueError, KeyError, TypeError, UntrustedCache):
-        rate = SECONDS_PER_LAYER
-    return rate * layers
-
-
-def _record_compile_seconds(seconds: float, layers: int) -> None:
-    with contextlib.suppress(OSError, UntrustedCache):
-        _rate_file().write_text(json.dumps({"seconds_per_layer": round(seconds / max(layers, 1), 2)}))
 
 
 def saved_step_ready(artifact: Path) -> bool:
@@ -140,7 +119,7 @@ def compile_and_save(model_dir: Path, threads: int, max_len: int, artifact: Path
             raise UnsupportedError(f"{model_dir}: its decode step does not compile here (the warning above says why); "
                                    f"it decodes eagerly, and runs with the same key will not try again "
                                    f"(delete {steps.failed_marker(artifact)} to retry)")
-        _record_compile_seconds(time.perf_counter() - started, decoder.layer_count)
+        steps.record_compile_seconds(time.perf_counter() - started, decoder.layer_count)
     return artifact, "compiled"
 
 

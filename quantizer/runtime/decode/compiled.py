@@ -1,6 +1,6 @@
 """Choosing and compiling the decode path.
 
-:func:`open_decoder` returns a decoder (:class:`FastDecoder`, or :class:`StaticDecoder` for the
+:func:`.opening.open_decoder` returns a decoder (:class:`FastDecoder`, or :class:`StaticDecoder` for the
 models it does not cover) whose single-token steps run one ahead-of-time compiled graph
 (``torch.compile(...).aot_compile``; Inductor told to round like eager), or None when the model
 needs transformers' own ``generate``.
@@ -24,20 +24,19 @@ from pathlib import Path
 
 import torch
 
-from ..cache import (
+from ...native.cache import (
     UntrustedCache,
     machine_identity,
     matches_digest,
     record_digest,
-    runtime_source_digest,
     trusted_cache_dir,
 )
-from ..native.attention import has_attend_one
-from ..native.constant import prepare_compile
-from ..native.gemv import has_gemv, has_mean_square
+from ...native.constant import prepare_compile
+from ..kernels.attention import has_attend_one
+from ..kernels.gemv import has_gemv, has_mean_square
 from ..nn.int4 import Int4Linear
+from ..sources import runtime_source_digest
 from .decoder import MIN_CACHE, FastDecoder, check_against_eager, unsupported_reason
-from .native_step import native_step
 from .static import StaticDecoder
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ INDUCTOR_OPTIONS = {
 }
 
 _warned: set[str] = set()
-_steps: dict[Path, object] = {}  # checked compiled steps by artifact, shared by decoders of one model
+checked_steps: dict[Path, object] = {}  # checked compiled steps by artifact, shared by decoders of one model
 
 
 def compiled_dir() -> Path:
@@ -73,7 +72,29 @@ def artifact_path(model: torch.nn.Module, variant: str = "") -> Path:
     return compiled_dir() / f"{digest}.aot"
 
 
-def _warn_once(message: str) -> None:
+SECONDS_PER_LAYER = 4.5
+"""A compile's expected duration per decoder layer until this machine has measured its own."""
+
+
+def _rate_file() -> Path:
+    return compiled_dir() / "compile_seconds_per_layer.json"
+
+
+def expected_compile_seconds(layers: int) -> float:
+    """What compiling a step of ``layers`` layers took here last time (a default before any)."""
+    try:
+        rate = float(json.loads(_rate_file().read_text())["seconds_per_layer"])
+    except (OSError, ValueError, KeyError, TypeError, UntrustedCache):
+        rate = SECONDS_PER_LAYER
+    return rate * layers
+
+
+def record_compile_seconds(seconds: float, layers: int) -> None:
+    with contextlib.suppress(OSError, UntrustedCache):
+        _rate_file().write_text(json.dumps({"seconds_per_layer": round(seconds / max(layers, 1), 2)}))
+
+
+def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
@@ -89,34 +110,9 @@ def new_decoder(model: torch.nn.Module, max_len: int) -> FastDecoder | StaticDec
     if getattr(model, "_can_compile_fullgraph", False):
         log.info("decoding through the model's own forward over a static cache: %s", reason)
         return StaticDecoder(model, max_len)
-    _warn_once(f"decoding through transformers' generate (slower): {reason}, and transformers has no static "
+    warn_once(f"decoding through transformers' generate (slower): {reason}, and transformers has no static "
                f"cache for {type(model).__name__}")
     return None
-
-
-def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
-                 source: Path | None = None) -> FastDecoder | StaticDecoder | None:
-    """A ready decoder (see :func:`new_decoder`) for sequences of up to ``max_len`` tokens, or
-    None. Its single-token steps are native where :mod:`.native_step` covers the model (nothing to
-    compile); else, with ``compile``, the compiled step: with the checkpoint folder ``source``, taken
-    between tokens once read or compiled in the background (see :mod:`.background`), so decoding
-    starts at once; without, read or compiled now."""
-    decoder = new_decoder(model, max_len)
-    if decoder is None:
-        return None
-    decoder.native = native_step(decoder)
-    if decoder.native is not None or not compile:
-        return decoder
-    try:
-        artifact = artifact_path(model, decoder.variant)
-    except UntrustedCache as e:
-        _warn_once(f"{e}; compiling the decode step without loading or saving it there")
-        artifact = None
-    if source is None or artifact is None or artifact in _steps:
-        compile_step(decoder, artifact)
-    else:
-        _step_in_background(decoder, artifact, source)
-    return decoder
 
 
 def failed_marker(artifact: Path) -> Path:
@@ -125,29 +121,7 @@ def failed_marker(artifact: Path) -> Path:
     return artifact.with_suffix(".failed")
 
 
-def _step_in_background(decoder, artifact: Path, source: Path) -> None:
-    from .background import PendingStep, compiling_elsewhere, expected_compile_seconds, saved_step_ready, start_worker
-
-    _use_direct_kernels(decoder)
-    if failed_marker(artifact).is_file():
-        log.info("decoding eagerly: this model's step did not compile here (%s)", failed_marker(artifact))
-        return
-    worker, elsewhere = None, False
-    if not saved_step_ready(artifact):
-        elsewhere = compiling_elsewhere(artifact)
-        if not elsewhere:
-            worker = start_worker(source, artifact, decoder.max_len)
-            if worker is None:
-                compile_step(decoder, artifact)
-                return
-        who = "another int4q run compiles it" if elsewhere else "the decode step compiles"
-        _warn_once(f"decoding eagerly while {who} in the background (about "
-                   f"{expected_compile_seconds(decoder.layer_count):.0f} s, once for this model and machine; "
-                   "`int4q compile` does it ahead); this run switches to it when it is ready")
-    decoder.pending = PendingStep(decoder, artifact, source, worker, elsewhere)
-
-
-def _use_direct_kernels(decoder) -> None:
+def use_direct_kernels(decoder) -> None:
     for module in decoder.model.modules():
         if isinstance(module, Int4Linear):  # a static row count: call the kernel, not the opaque op
             module.use_custom_op = False
@@ -158,9 +132,9 @@ def compile_step(decoder, artifact: Path | None) -> None:
     """Give the decoder its compiled single-token step: the saved one when it is the file int4q
     saved and it matches eager, else a fresh one (then saved, with its sha256); eager decoding
     after one warning when neither works. ``artifact`` None: no cache to use."""
-    _use_direct_kernels(decoder)
-    if artifact in _steps:  # checked when this process loaded or compiled it
-        decoder.compiled = _steps[artifact]
+    use_direct_kernels(decoder)
+    if artifact in checked_steps:  # checked when this process loaded or compiled it
+        decoder.compiled = checked_steps[artifact]
         return
     if artifact and failed_marker(artifact).is_file():
         log.info("decoding eagerly: this model's step did not compile here (%s)", failed_marker(artifact))
@@ -168,8 +142,6 @@ def compile_step(decoder, artifact: Path | None) -> None:
     with inductor_cache() if artifact else contextlib.nullcontext():
         if artifact and _load_saved(decoder, artifact):
             return
-        from .background import expected_compile_seconds
-
         log.warning("compiling the decode step for this model and machine (about %.0f s, once)",
                     expected_compile_seconds(decoder.layer_count))
         try:
@@ -178,13 +150,13 @@ def compile_step(decoder, artifact: Path | None) -> None:
         except Exception as e:
             decoder.compiled = None
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            _warn_once(f"torch.compile failed ({reason}); decoding eagerly")
+            warn_once(f"torch.compile failed ({reason}); decoding eagerly")
             if artifact:
                 with contextlib.suppress(OSError):
                     failed_marker(artifact).write_text(reason + "\n")
             return
         if artifact:
-            _steps[artifact] = decoder.compiled
+            checked_steps[artifact] = decoder.compiled
             _save_step(decoder.compiled, artifact)
 
 
@@ -198,7 +170,7 @@ def adopt_step(decoder, step, artifact: Path) -> bool:
     except Exception as e:
         log.info("the saved step %s is unusable (%s)", artifact, e)
         return False
-    _steps[artifact] = step
+    checked_steps[artifact] = step
     return True
 
 
@@ -216,7 +188,7 @@ def _load_saved(decoder, artifact: Path) -> bool:
         log.info("recompiling: the saved step %s is unusable (%s)", artifact, e)
         decoder.compiled = None
         return False
-    _steps[artifact] = decoder.compiled
+    checked_steps[artifact] = decoder.compiled
     return True
 
 

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
-from ..native.attention import has_attend_one
-from ..native.dequant import shared_weight_buffer
-from ..native.gemv import has_mean_square
+from ..kernels.attention import has_attend_one
+from ..kernels.dequant import shared_weight_buffer
+from ..kernels.gemv import has_mean_square
 from ..nn.fusion import Int4Slice
 
 MIN_CACHE = 4

@@ -37,7 +37,10 @@ def exact_length_sdpa(module, query, key, value, attention_mask, *args, int4q_po
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
 
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, exact_length_sdpa)

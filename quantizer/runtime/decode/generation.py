@@ -13,7 +13,6 @@ import torch
 
 from ...errors import InputError
 
-
 STEP_PAYS_FROM = 1024
 """New tokens from which ``generate`` takes the compiled decode step. Reading a saved step takes
 seconds, and the eager tokens decoded meanwhile slow down several-fold (the reader holds the
@@ -124,7 +123,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
                   source: Path | None = None) -> Iterator[str]:
     """Yield decoded text pieces as they are generated (fast decoder where the model allows).
     ``source``: the model's checkpoint folder, so the compiled step can be made in the background."""
-    from .compiled import open_decoder
+    from .opening import open_decoder
 
     ids = encode_prompt(tokenizer, prompt, chat)
     check_positions(model.config, ids.shape[1] + max_new_tokens,

@@ -21,11 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..native.attention import has_attend_one
-from ..native.w4a8_rows import ROWS_LIMIT
+from ..kernels.attention import has_attend_one
+from ..kernels.w4a8_rows import ROWS_LIMIT
 from ..nn.fusion import Int4Slice
 from ..nn.int4 import Int4Linear, int8_operator
-from .decoder import FastDecoder, StepMismatch, attend_in_fp32, check_against_eager, is_llama_rms_norm
+from .decoder import (
+    FastDecoder,
+    StepMismatch,
+    attend_in_fp32,
+    check_against_eager,
+    is_llama_rms_norm,
+)
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,28 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ...native.cache import (
+    UntrustedCache,
+    machine_identity,
+    temporary_sibling,
+    trusted_cache_dir,
+)
 from ..activations import current as current_activations
-from ..cache import UntrustedCache, machine_identity, runtime_source_digest, temporary_sibling, trusted_cache_dir
-from ..native.attention import has_attend_one
-from ..native.w4a8 import has_w4a8
-from ..native.w4a8_rows import has_w4a8_rows
+from ..kernels.attention import has_attend_one
+from ..kernels.w4a8 import has_w4a8
+from ..kernels.w4a8_rows import has_w4a8_rows
 from ..nn.state import NotSaveable, module_state, rebuilt_module
+from ..sources import runtime_source_digest
 from .decoder import MIN_CACHE, FastDecoder, StepMismatch, unsupported_reason
 from .generation import GenerationStats, detokenize, eos_token_ids, fast_greedy
-from .native_step import LAYER_TENSORS, NativeStep, NotCovered, PlanSpec, make_plan, native_step
+from .native_step import (
+    LAYER_TENSORS,
+    NativeStep,
+    NotCovered,
+    PlanSpec,
+    make_plan,
+    native_step,
+)
 from .quick_tokenizer import QuickTokenizer, quick_record
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import cpu
+from ...native import cpu
 
 
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

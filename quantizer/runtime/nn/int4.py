@@ -25,10 +25,10 @@ from ...formats.packing import (
     unpack_nibbles,
 )
 from ...methods.grid import dequantize_codes
-from ..native.dequant import dequantize_int4pack
-from ..native.gemv_rows import decode_matmul
-from ..native.w4a8 import w4a8_usable
-from ..native.w4a8_rows import ROWS_LIMIT, w4a8_rows_usable
+from ..kernels.dequant import dequantize_int4pack
+from ..kernels.gemv_rows import decode_matmul
+from ..kernels.w4a8 import w4a8_usable
+from ..kernels.w4a8_rows import ROWS_LIMIT, w4a8_rows_usable
 from .gemm import prefill_linear
 
 log = logging.getLogger(__name__)

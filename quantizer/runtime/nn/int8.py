@@ -10,7 +10,6 @@ from ...methods.grid import ChannelQuantized
 from .gemm import prefill_linear
 from .int4 import takes_prefill_path
 
-
 ALIGNMENT = 64
 """Bytes on whose boundary the codes start: ``_weight_int8pack_mm`` reads a weight for more than one
 row with aligned loads, and one read from a checkpoint (16-byte aligned) crashed it."""
