@@ -35,6 +35,13 @@ def set_param(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
+def release_parameters(module: torch.nn.Module) -> None:
+    """Put ``module``'s parameters back on the meta device, keeping its buffers (Gemma's embedding
+    scale, say), which a later pass through the module still reads."""
+    for name, param in list(module.named_parameters()):
+        set_param(module, name, param.to("meta"))
+
+
 def hidden_of(out):
     return out[0] if isinstance(out, tuple) else out
 

@@ -21,7 +21,7 @@ def activation_options(command):
                                help=f"Activations of the int4 linears' {phase} ({rows}): exact bf16, or rounded "
                                     f"to int8 per weight group (faster where the CPU has AVX-512 VNNI, or for decode "
                                     f"AVX2). Default: "
-                                    f"$INT4Q_ACTIVATIONS, else the README's choice.")(command)
+                                    f"$INT4Q_ACTIVATIONS, else int8.")(command)
     return command
 
 

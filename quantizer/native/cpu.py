@@ -1,7 +1,7 @@
 """What this CPU computes natively, decided from its instruction-set flags (/proc/cpuinfo), so
 that each bf16 computation runs where this machine is fast: bf16 where it multiplies bf16 in
 hardware, fp32 over the same values elsewhere (on AVX2 alone oneDNN's bf16 GEMM is several times
-slower than its fp32 one, see the README)."""
+slower than its fp32 one, see docs/runtime.md)."""
 
 from __future__ import annotations
 

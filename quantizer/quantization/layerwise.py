@@ -123,7 +123,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
 
     per_tensor: dict[str, dict] = state.get("tensors", {})
     hidden, kwargs = capture.capture_inputs(model, layers, own, all_samples=done == 0, device=ranks.device)
-    emb.to("meta")  # read again for the head's pass: a large vocabulary's table is not held through the layers
+    capture.release_parameters(emb)  # read again for the head's pass: a large table is not held through the layers
     if done:
         hidden = calib_state.load_hidden(state_dir, done, ranks)
         say(f"resuming after layer {done}/{len(layers)}")

@@ -19,7 +19,7 @@ from .planning import QuantizationPlan
 from .report import finish_output, module_entry
 
 ProgressFn = Callable[[str, int], None]
-TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor measured 37% slower on a 6 GB model
+TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor costs more than it frees
 
 
 def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> None:

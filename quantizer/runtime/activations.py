@@ -1,7 +1,6 @@
 """Which activations the int4 linears multiply: ``exact`` (bf16, the GEMV and the dequantized
 prefill) or ``int8`` (rounded per weight group, :mod:`.native.w4a8`), chosen separately for decode
-(fewer rows than ``dequant_threshold``) and prefill. The defaults (int8 for both) are the README's
-measured choice; int8 applies where the CPU has AVX-512 VNNI (both phases) or, for
+(fewer rows than ``dequant_threshold``) and prefill. The defaults are int8 for both (docs/runtime.md, "Int8 activations"); int8 applies where the CPU has AVX-512 VNNI (both phases) or, for
 decode, AVX2 (:mod:`.native.w4a8_rows`); elsewhere those rows take the exact paths. An int8
 decode also computes the fast decoder's single-token attention in fp32
 (:func:`.decode.decoder.attend_in_fp32`); exact decode keeps transformers' bf16 attention.

@@ -35,8 +35,8 @@ FORMAT = cpu_int4.FORMAT
 DECODE_ROWS = 32
 """Rows up to which the vocabulary head (and, under vLLM, every linear) multiplies its packed
 weight directly, through the decode kernels; the checkpoint's dequant_threshold where larger.
-Dequantizing a whole head for a few rows (batched decode) costs about what 60 rows through
-tinygemm cost (README, "Batched decode")."""
+Dequantizing a whole head for a few rows (batched decode) costs more than those rows through
+the decode kernels (docs/benchmarks/vs-llamacpp.md, "Batched decode")."""
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig | None:

@@ -272,7 +272,7 @@ def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
     rounded to bf16 once (int4q's operator where it is loaded, else PyTorch's attention on the
     widened cache); more queries go to :func:`attend`. Not bit-identical to it (bf16 attention
     rounds its probabilities to bf16), and several times faster where the CPU has no bf16 dot
-    products (README: CPUs without AVX-512)."""
+    products (docs/runtime.md, CPUs without AVX-512)."""
     if q.shape[2] != 1:
         return attend(q, k, v, start, scale)
     if has_attend_one():

@@ -16,7 +16,7 @@ from ...errors import InputError
 STEP_PAYS_FROM = 1024
 """New tokens from which ``generate`` takes the compiled decode step. Reading a saved step takes
 seconds, and the eager tokens decoded meanwhile slow down several-fold (the reader holds the
-interpreter lock); below this the eager decode alone finishes first (README, "No wait")."""
+interpreter lock); below this the eager decode alone finishes first (docs/runtime.md, "No wait")."""
 
 
 def step_pays(max_new_tokens: int) -> bool:
@@ -57,7 +57,7 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1, keepdim=True)`` for logits [..., V]: the first largest, a NaN counting as
-    the largest. Taken from ``max``, whose CPU kernel is the faster of the two on bf16 (README)."""
+    the largest. Taken from ``max``, whose CPU kernel is the faster of the two on bf16 (docs/runtime.md)."""
     return logits.max(-1, keepdim=True).indices
 
 

@@ -46,7 +46,7 @@ each linear (:func:`_linear_tensors`)."""
 PROMPT_ROWS = 128
 """The longest prompt the plan takes in one call (where prefill is int8): its attention is one
 query at a time, and past this length transformers' attention over the whole prompt is faster
-(README, "The native step")."""
+(docs/runtime.md, "The native step")."""
 
 
 class NotCovered(Exception):

@@ -1,5 +1,6 @@
 """The one-row decode matmul: ``torch.ops.int4q_native.gemv`` (``csrc/int4_gemv.c`` with the
-operator registration of ``csrc/int4_ops.cpp``), about 1.6× PyTorch's tinygemm on the same weights.
+operator registration of ``csrc/int4_ops.cpp``), faster than PyTorch's tinygemm on the same
+weights (docs/runtime.md).
 
 It is a PyTorch operator, not a ctypes call, because a compiled decode step calls it 100+ times a
 token: from C++ through the dispatcher it costs a few microseconds, from Python more than it

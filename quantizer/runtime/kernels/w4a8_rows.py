@@ -24,7 +24,7 @@ CPU_FEATURES = {"avx2", "fma"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
 ROWS_LIMIT = 64
 """The most rows the int4 linears send through it: it reads the weight once per row, so past some
-rows the GEMM over the dequantized weight wins (README: CPUs without AVX-512)."""
+rows the GEMM over the dequantized weight wins (docs/runtime.md, CPUs without AVX-512)."""
 SELF_TEST_SHAPES = ((1, 64), (7, 64), (3, 32))
 """(rows, group size) of the load-time check: one row, several, and the two-groups-a-step path."""
 
