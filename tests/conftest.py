@@ -7,6 +7,8 @@ is the quick run; CI runs them all."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,16 @@ def whole_model_hessians(src, windows, quantized, dtype=torch.bfloat16):
                     codes, quantized.get(f"{m}.weight_scale"), quantized.get(f"{m}.weight_zero"), dtype)
     hessians["lm_head"] = hessian_of(model.get_output_embeddings())
     return hessians
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+LLAMA_COMPLETION = f"{sys.prefix}/share/int4q/llama.cpp/build/bin/llama-completion"
+
+
+def assert_llama_cpp_generates(path):
+    """llama.cpp's own llama-completion loads the file and continues a prompt."""
+    done = subprocess.run([LLAMA_COMPLETION, "-m", str(path), "-p", "The capital of France is", "-n", "8",
+                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")

@@ -11,7 +11,7 @@ import quantizer
 
 PACKAGE = Path(quantizer.__file__).parent
 
-FLOORS = ["version", "errors", "memory", "schema", "native", "methods", "io", "formats", "calibrate",
+FLOORS = ["version", "errors", "integrity", "memory", "schema", "native", "methods", "io", "formats", "calibrate",
           "quantization", "runtime", "verification", "hub", "integrations", "api", "cli", "__main__"]
 """Lowest first. The root ``quantizer/__init__.py`` (it only names the API, lazily) stands above all."""
 

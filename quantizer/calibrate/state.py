@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..integrity import changed_files, digest_path, matches_digest, record_digest
 from ..io.shards import file_specs, write_safetensors
 from .ranks import SINGLE, Ranks
 
@@ -86,6 +87,9 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
     fresh start. Rank 0 only; each rank then reads its own hidden states with :func:`load_hidden`."""
     fresh = {"layers_done": 0, "tensors": {}}
     path = state_dir / "state.json"
+    if state_dir.is_symlink() or (state_dir.exists() and not state_dir.is_dir()):
+        raise BadResumeState(f"{state_dir} is not a folder int4q made (a link or a file); remove it yourself, then "
+                             "run again without --resume")
     if not resume or not path.is_file():
         if resume:
             log.warning("nothing to resume; starting from the first layer")
@@ -93,6 +97,9 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
         state_dir.mkdir(parents=True)
         return fresh
     restart = "rerun without --resume to start over"
+    if not matches_digest(path):
+        raise BadResumeState(f"{path} was changed after int4q wrote it (it does not match its recorded sha256); "
+                             f"{restart}")
     try:
         state = json.loads(path.read_text())
         done = int(state["layers_done"])
@@ -105,7 +112,11 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
         raise BadResumeState(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
-    for saved in needed:  # every file now, not when the output is written after the remaining layers
+    changed = changed_files(needed)  # every file now, not when the output is written after the remaining layers
+    if changed:
+        raise BadResumeState(f"the saved state in {state_dir} was changed after int4q wrote it ({changed[0].name} "
+                             f"does not match its recorded sha256); {restart}")
+    for saved in needed:
         try:
             file_specs(saved)
         except InputError as e:
@@ -116,11 +127,11 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
 def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor:
     """This rank's saved hidden states; every rank raises the same error when any rank lacks its own."""
     path = hidden_file(state_dir, layers_done, ranks)
-    missing = ranks.sum_(torch.tensor([0.0 if path.is_file() else 1.0]))
+    missing = ranks.sum_(torch.tensor([0.0 if matches_digest(path) else 1.0]))
     if missing.item():
         raise BadResumeState(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
-                         f"their hidden states after layer {layers_done}); resume with the same processes on the "
-                         "same machines, or rerun without --resume to start over")
+                             f"their hidden states after layer {layers_done}, or hold changed ones); resume with the "
+                             "same processes on the same machines, or rerun without --resume to start over")
     return read_safetensors(path)["hidden"]
 
 
@@ -143,8 +154,9 @@ def save_layer(state_dir: Path, fp: str, layers_done: int, per_tensor: dict, as_
         tmp.write_text(json.dumps({"fingerprint": fp, "layers_done": layers_done, "tensors": per_tensor,
                                    "as_tuple": as_tuple}))
         tmp.replace(state_dir / "state.json")
+        record_digest(state_dir / "state.json")
     ranks.barrier()
-    hidden_file(state_dir, layers_done - 1, ranks).unlink(missing_ok=True)
+    _remove(hidden_file(state_dir, layers_done - 1, ranks))
 
 
 class LayerSaves:
@@ -183,6 +195,18 @@ class LayerSaves:
 
 
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``path`` written whole under a temporary name, then renamed, then its sha256 recorded."""
     tmp = path.with_name(path.name + ".tmp")
     write_safetensors(tmp, tensors)
     tmp.replace(path)
+    record_digest(path)
+
+
+def remove_hidden(state_dir: Path, layers_done: int, ranks: Ranks = SINGLE) -> None:
+    """This rank's hidden states after ``layers_done`` layers, and their recorded digest, removed."""
+    _remove(hidden_file(state_dir, layers_done, ranks))
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    digest_path(path).unlink(missing_ok=True)

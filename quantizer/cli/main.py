@@ -83,6 +83,7 @@ OS_ERRORS = {
     errno.EACCES: "permission denied: {where}; choose a folder you can write to",
     errno.EPERM: "operation not permitted: {where}; choose a folder you can write to",
     errno.EROFS: "read-only file system: {where}; choose a writable folder",
+    errno.ENOTDIR: "{where}: a part of that path is a file, not a folder; choose another path",
 }
 
 

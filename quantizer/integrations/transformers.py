@@ -43,6 +43,7 @@ class _Held(torch.nn.Module):
 
 @dataclass(frozen=True)
 class _Info:
+    name: str
     dtype: torch.dtype
     shape: tuple
 
@@ -52,7 +53,7 @@ class _Tensors:
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
-        self.infos = {n: _Info(t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+        self.infos = {n: _Info(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()}
 
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -78,6 +78,7 @@ def check_output_target(
     be a folder that is empty or that ``replaceable`` recognises.
     """
     target = Path(out).resolve()
+    _check_parents(target, out, "--out")
     for src in inputs:
         src = Path(src).resolve()
         if target == src or target in src.parents:
@@ -97,23 +98,35 @@ def check_output_target(
     return target
 
 
-def check_output_file(out: Path, overwrite: bool, inputs: Sequence[Path], replaceable: Callable[[Path], bool]) -> Path:
+def check_output_file(out: Path, overwrite: bool, inputs: Sequence[Path], replaceable: Callable[[Path], bool],
+                      option: str = "--out") -> Path:
     """Like :func:`check_output_target` for a single-file output: never a link, never an input,
-    an existing file only with ``overwrite`` when ``replaceable`` recognises it. Returns it absolute."""
+    an existing file only with ``overwrite`` when ``replaceable`` recognises it. Returns it absolute.
+    ``option``: the command-line option that named it, for the messages."""
     target = Path(out).absolute()
+    _check_parents(target, out, option)
     for src in inputs:
         if target.resolve() == Path(src).resolve():
-            raise InputError(f"--out {out} is the input {src}; choose another file")
+            raise InputError(f"{option} {out} is the input {src}; choose another file")
     if target.is_symlink():
-        raise InputError(f"--out {out} is a link; name the file itself")
+        raise InputError(f"{option} {out} is a link; name the file itself")
     if not target.exists():
         return target
     if not overwrite:
         raise UsageError(f"{out} already exists; pass --overwrite to replace it")
     if not target.is_file() or not replaceable(target):
         raise InputError(f"{out} is not a file int4q wrote, so --overwrite will not replace it; "
-                         "remove it yourself or choose another --out")
+                         f"remove it yourself or choose another {option}")
     return target
+
+
+def _check_parents(target: Path, out: Path, option: str) -> None:
+    """InputError where a folder on the way to ``target`` exists but is a file."""
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{option} {out}: {parent} is a file, not a folder; choose another {option}")
+            return
 
 
 def check_free_space(out: Path, needed_bytes: int) -> None:
@@ -123,8 +136,16 @@ def check_free_space(out: Path, needed_bytes: int) -> None:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
-        raise InputError(f"{folder} has {free / 1e9:.2f} GB free, but writing {Path(out).name} needs about "
-                         f"{needed_bytes / 1e9:.2f} GB; free space or choose another --out")
+        raise InputError(f"{folder} has {readable_bytes(free)} free, but writing {Path(out).name} needs about "
+                         f"{readable_bytes(needed_bytes)}; free space or choose another --out")
+
+
+def readable_bytes(n: int) -> str:
+    """Bytes as GB, MB or kB, whichever shows them with at least one significant digit."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 @contextlib.contextmanager

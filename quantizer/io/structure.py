@@ -81,14 +81,27 @@ def check_sizes(config_dict: dict) -> None:
                 raise InputError(f"config.json: {where}{key} is {value!r}; it must be a positive integer")
 
 
-def check_layer_count(config_dict: dict, tensor_count: int) -> None:
-    """InputError when config.json promises more decoder layers than the checkpoint has tensors (each
-    layer has at least one), before a model of that many layers is built."""
+WIDTH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "head_dim", "n_embd", "n_inner")
+PACKING = 8
+"""The most weights one stored element holds (a GPTQ int32 holds eight 4-bit codes)."""
+
+
+def check_against_checkpoint(config_dict: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """InputError, before a model is built from config.json, where it describes more than the
+    checkpoint's tensors (``shapes``, read from the shard headers) can hold: more decoder layers
+    than tensors (each layer has one at least), or a width larger than any tensor's dimension
+    times :data:`PACKING` (building such a model would try to allocate it)."""
     cfg = config_dict.get("text_config") if isinstance(config_dict.get("text_config"), dict) else config_dict
     layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
-    if isinstance(layers, int) and layers > tensor_count:
-        raise InputError(f"config.json says {layers} layers, but the checkpoint holds only {tensor_count} tensors; "
+    if isinstance(layers, int) and layers > len(shapes):
+        raise InputError(f"config.json says {layers} layers, but the checkpoint holds only {len(shapes)} tensors; "
                          "fix num_hidden_layers or point at the checkpoint it describes")
+    widest = max((d for shape in shapes.values() for d in shape), default=0)
+    for key in WIDTH_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and value > PACKING * widest:
+            raise InputError(f"config.json says {key} {value}, but no tensor of the checkpoint is wider than {widest}; "
+                             f"fix {key} or point at the checkpoint it describes")
 
 
 def build_config(config_dict: dict):
@@ -111,6 +124,9 @@ def build_config(config_dict: dict):
             detail = "an unknown model type"
         raise UnsupportedError(f"transformers {transformers.__version__} cannot build model_type {model_type!r} "
                                f"({detail}); upgrade transformers or fix config.json") from None
+    except Exception as e:  # transformers' own validators (strict dataclasses) raise their own types
+        detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])[:200] or type(e).__name__
+        raise InputError(f"config.json is not a valid {model_type!r} config ({detail}); fix config.json") from None
 
 
 def build_empty_model(config_dict: dict) -> torch.nn.Module:

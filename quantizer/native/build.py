@@ -74,7 +74,7 @@ def library_path(cxx: str | None = None) -> Path:
     key = [source_digest(), _compiler_identity(compiler(cxx)), machine_identity(), torch.__version__,
            str(_cxx11_abi()), *COMPILE_FLAGS]
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
-    return trusted_cache_dir() / "native" / f"int4q_native-{digest}.so"
+    return trusted_cache_dir("native") / f"int4q_native-{digest}.so"
 
 
 def build(target: Path, cxx: str | None = None) -> Path:
@@ -82,7 +82,7 @@ def build(target: Path, cxx: str | None = None) -> Path:
     names the compiler's first error line."""
     from torch.utils import cpp_extension
 
-    from .cache import temporary_sibling
+    from ..integrity import temporary_sibling
 
     cxx = compiler(cxx)
     target.parent.mkdir(parents=True, exist_ok=True)

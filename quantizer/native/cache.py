@@ -5,10 +5,12 @@ it is loaded."""
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
 import platform
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -22,50 +24,38 @@ class UntrustedCache(Exception):
     """The cache folder may hold code that others put there; the message says why and what to do."""
 
 
-def trusted_cache_dir() -> Path:
-    """:func:`cache_dir`, created private (0700) when missing. UntrustedCache when it belongs to
-    another user or others can write it: int4q runs code it finds there."""
+def trusted_cache_dir(folder: str | None = None) -> Path:
+    """:func:`cache_dir` (or its subfolder ``folder``), created private (0700) when missing.
+    UntrustedCache, after one warning per process, where it or the subfolder belongs to another
+    user, others can write it, or it is a link: int4q runs code it finds there."""
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = root.stat()
-    if st.st_uid != os.geteuid():
-        raise UntrustedCache(f"the int4q cache {root} belongs to another user; set INT4Q_CACHE_DIR to a folder of yours")
-    if st.st_mode & 0o022:
-        raise UntrustedCache(f"the int4q cache {root} can be written by others; run chmod go-w {root}, or set "
-                             "INT4Q_CACHE_DIR to a private folder")
-    return root
-
-
-def digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def record_digest(path: Path) -> None:
-    """Note the sha256 of an artefact int4q just built, beside it."""
-    tmp = temporary_sibling(digest_path(path))
-    tmp.write_text(file_digest(path) + "\n")
-    tmp.replace(digest_path(path))
-
-
-def matches_digest(path: Path) -> bool:
-    """Whether ``path`` is, byte for byte, the artefact int4q recorded when it built it."""
     try:
-        return path.is_file() and digest_path(path).read_text().strip() == file_digest(path)
-    except OSError:
-        return False
+        _check_private(root, follow=True)  # the root may be a link of the user's making
+        if folder:
+            _check_private(root / folder, follow=False)  # int4q makes its subfolders: a link there was planted
+    except UntrustedCache as e:
+        if str(e) not in _warned:
+            _warned.add(str(e))
+            log.warning("%s; this run neither loads nor saves builds, compiled steps or snapshots there", e)
+        raise
+    return root / folder if folder else root
 
 
-def temporary_sibling(path: Path) -> Path:
-    """A name beside ``path`` that no other process writes to; rename it onto ``path`` when done."""
-    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+_warned: set[str] = set()
+
+
+def _check_private(path: Path, follow: bool) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat() if follow else path.lstat()
+    if not follow and path.is_symlink():
+        raise UntrustedCache(f"the int4q cache folder {path} is a link; remove it, or set INT4Q_CACHE_DIR to a folder "
+                             "of yours")
+    if st.st_uid != os.geteuid():
+        raise UntrustedCache(f"the int4q cache {path} belongs to another user; set INT4Q_CACHE_DIR to a folder of "
+                             "yours")
+    if st.st_mode & 0o022:
+        raise UntrustedCache(f"the int4q cache {path} can be written by others; run chmod go-w {path}, or set "
+                             "INT4Q_CACHE_DIR to a private folder")
 
 
 def machine_identity() -> str:

@@ -9,8 +9,9 @@ import logging
 import os
 from pathlib import Path
 
+from ..integrity import matches_digest, record_digest
 from .build import LIBRARY_STEM, NativeUnavailable, build, library_path, source_digest
-from .cache import UntrustedCache, matches_digest, record_digest
+from .cache import UntrustedCache
 
 log = logging.getLogger(__name__)
 

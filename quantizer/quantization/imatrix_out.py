@@ -44,7 +44,7 @@ def prepare_imatrix(path: Path, plan: QuantizationPlan, calibrated: bool, out: P
     check_file_name(path, ".gguf", "llama.cpp's importance matrix", "--imatrix-out")
     if Path(path).absolute() == Path(out).absolute():
         raise UsageError("--imatrix-out and --out name the same file; choose another name for one of them")
-    target = check_output_file(path, overwrite, inputs, is_int4q_imatrix)
+    target = check_output_file(path, overwrite, inputs, is_int4q_imatrix, "--imatrix-out")
     return ImatrixOutput(target, gguf_names(plan.model_dir, plan.source_config, _measured_shapes(plan)))
 
 
@@ -64,7 +64,7 @@ def write_imatrix_file(imatrix: ImatrixOutput, report: QuantizeReport, overwrite
 
     calibration = report.quantization_config["calibration"]
     with output_lock(imatrix.path):
-        target = check_output_file(imatrix.path, overwrite, inputs, is_int4q_imatrix)
+        target = check_output_file(imatrix.path, overwrite, inputs, is_int4q_imatrix, "--imatrix-out")
         tmp = partial_dir(target)
         try:
             write_imatrix(tmp, imatrix.names, imatrix.statistics, calibration["text"], calibration["nsamples"],

@@ -148,7 +148,7 @@ def run_layerwise(plan: QuantizationPlan, out_dir: Path, windows: torch.Tensor, 
         head_importance: dict[str, tuple[torch.Tensor, int]] = {}
         head_tensors = _quantize_head(plan, method, model, layers, hidden, own, as_tuple, per_tensor, ranks, say,
                                       head_importance)
-    calib_state.hidden_file(state_dir, len(layers), ranks).unlink(missing_ok=True)
+    calib_state.remove_hidden(state_dir, len(layers), ranks)
     peaks = ranks.gather_value(peak_rss_mb())  # and every rank is done with the state folder
     if not ranks.is_main:
         return None

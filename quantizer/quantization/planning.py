@@ -21,7 +21,7 @@ from ..io.structure import (
     ModelStructure,
     architecture_mismatches,
     build_empty_model,
-    check_layer_count,
+    check_against_checkpoint,
     inspect_structure,
 )
 from ..methods.grid import Storage
@@ -151,7 +151,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         method = config["quantization_config"].get("quant_method", "unknown")
         raise InputError(f"{model_dir} is already quantized ({method}); start from a bf16/fp16/fp32 checkpoint")
     reader = CheckpointReader(model_dir)
-    check_layer_count(config, len(reader.infos))
+    check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
     structure = inspect_structure(config)
     infos = reader.infos
     _check_architecture(model_dir, config, structure, infos)

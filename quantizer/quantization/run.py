@@ -126,13 +126,16 @@ def _run_streamed(plan: QuantizationPlan, request: QuantizeRequest, inputs: list
 def _run_calibrated(plan: QuantizationPlan, model_dir: Path, request: QuantizeRequest, inputs: list[Path],
                     progress: Progress, ranks: Ranks, keep_importance=None) -> QuantizeReport | None:
     from ..io.outdir import atomic_output_dir, partial_dir
-    from ..io.text import load_text
+    from ..io.text import load_text, text_budget
     from ..io.tokenizer import load_tokenizer
     from .calibrated import run_calibrated
 
     if not ranks.is_main:
         return _run_worker(plan, partial_dir(request.out), request, ranks)
-    text, origin = load_text(request.calib_text, "calib")
+    if request.resume:
+        _check_resumable(partial_dir(request.out))
+    text, origin = load_text(request.calib_text, "calib",
+                             text_budget(request.windows.nsamples * request.windows.seqlen))
     tokenizer = load_tokenizer(model_dir)
     try:
         with atomic_output_dir(request.out, request.overwrite, keep_partial=True, resume=request.resume,
@@ -145,6 +148,18 @@ def _run_calibrated(plan: QuantizationPlan, model_dir: Path, request: QuantizeRe
             raise InterruptedRun(e, f"; the finished layers are kept in {partial_dir(request.out)}: rerun the same "
                                     "command with --resume to continue, or delete that folder") from e
         raise
+
+
+def _check_resumable(partial: Path) -> None:
+    """A partial folder holds only the calibration state int4q wrote there; anything else, a link
+    above all, would be carried into the output, so it is refused before any work."""
+    if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+        raise BadResumeState(f"{partial} is not the folder int4q left (a link or a file); remove it yourself, "
+                             "then rerun without --resume")
+    foreign = sorted(e.name for e in partial.iterdir() if e.name != STATE_DIR) if partial.is_dir() else []
+    if foreign:
+        raise BadResumeState(f"{partial} holds {foreign[0]}, which int4q did not leave there; move it out of that "
+                             "folder and --resume again, or rerun without --resume")
 
 
 def _run_worker(plan: QuantizationPlan, partial: Path, request: QuantizeRequest, ranks: Ranks) -> None:

@@ -5,6 +5,7 @@ folder is removed."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -37,15 +38,21 @@ def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: li
     check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
     folder = blocks_dir(out)
     report = run_folder(dataclasses.replace(request, out=folder, overwrite=True))
-    with output_lock(out):
-        target = check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
-        tmp = partial_dir(target)  # a file here: the same hidden name beside the target
-        try:
-            write_from_blocks(plan, CheckpointReader(folder), tmp)
-            tmp.replace(target)
-        finally:
-            tmp.unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+    try:  # nothing resumes from a finished blocks folder: it goes, whatever happens now
+        with output_lock(out):
+            target = check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
+            tmp = partial_dir(target)  # a file here: the same hidden name beside the target
+            try:
+                write_from_blocks(plan, CheckpointReader(folder), tmp)
+                tmp.replace(target)
+            except OSError as e:
+                if e.errno is None:  # numpy's short write: the device filled up
+                    raise OSError(errno.ENOSPC, str(e), str(target)) from None
+                raise
+            finally:
+                tmp.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     size, params = target.stat().st_size, source_params(plan)
     report.summary = dataclasses.replace(report.summary, output_bytes=size,
                                          whole_model_bits_per_weight=round(8 * size / params, 4) if params else None)

@@ -16,7 +16,7 @@ from ..io.aux_files import allowed_roots, leaves
 from ..io.checkpoint import CheckpointReader, read_config
 from ..io.structure import (
     build_empty_model,
-    check_layer_count,
+    check_against_checkpoint,
     is_linear,
     linear_dims,
     tie_word_embeddings,
@@ -71,7 +71,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True,
     config = read_config(path)
     qc = read_quantization_config(config)
     reader = CheckpointReader(path)
-    check_layer_count(config, len(reader.infos))
+    check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
     model = build_empty_model(config)
     _load_generation_config(model, path)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()

@@ -34,7 +34,15 @@ def read_gguf(path: Path):
     field = reader.fields.get(INT4Q_CONFIG_KEY)
     if field is None:
         raise InputError(f"{path} has no {INT4Q_CONFIG_KEY}: it is not a GGUF int4q wrote")
-    return reader, json.loads(field.contents())
+    try:
+        config = json.loads(field.contents())
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise InputError(f"{path}: its {INT4Q_CONFIG_KEY} is not the JSON int4q writes ({e}); the file was "
+                         "changed after int4q wrote it: quantize again") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: its {INT4Q_CONFIG_KEY} is not a JSON object; the file was changed after int4q "
+                         "wrote it: quantize again")
+    return reader, config
 
 
 def _same_value(got, want) -> bool:

@@ -128,7 +128,7 @@ def verdict(checks: list[CheckResult]) -> str:
 
 def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say,
                 step, load_quantized=None) -> CheckResult:
-    from ..io.text import load_text
+    from ..io.text import load_text, text_budget
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
     from ..runtime.activations import current as current_activations
@@ -143,7 +143,7 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         result.could_not_run = f"cannot load the models ({first})"
         return result
-    body, origin = load_text(text, "eval")
+    body, origin = load_text(text, "eval", text_budget(ctx * max_windows))
     windows = token_windows(tokenizer, body, ctx, max_windows)
     say(f"teacher-forced KLD over {len(windows)} windows of {ctx} tokens from {origin} ...")
     fid = teacher_forced(reference, quantized, windows, progress=lambda done, total: step("KLD windows", done, total))

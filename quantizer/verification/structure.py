@@ -14,7 +14,7 @@ from ..io.checkpoint import INDEX_NAME, CheckpointReader, read_config
 from ..io.structure import (
     architecture_mismatches,
     build_empty_model,
-    check_layer_count,
+    check_against_checkpoint,
     inspect_structure,
     tie_word_embeddings,
 )
@@ -66,6 +66,8 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         return result, info
     reader, q = info.reader, info.qconfig
     _check_index(qdir, reader, result)
+    for problem in non_finite_tensors(reader):
+        result.fail(problem)
     marker = "." + FORMAT.marker
     info.quantized = sorted(n.removesuffix(marker) for n in reader.infos if n.endswith(marker))
     for module in info.quantized:
@@ -76,7 +78,7 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
         if suffix in cpu_int4.SUFFIXES and module not in info.quantized:
             result.fail(f"{name}: stray tensor (no {module}{marker})")
     try:
-        check_layer_count(config, len(reader.infos))
+        check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
         structure = inspect_structure(config)
     except Int4qError as e:
         result.fail(f"cannot build the architecture to check tensor names: {e}")
@@ -95,6 +97,22 @@ def check_structure(qdir: Path) -> tuple[CheckResult, StructureInfo]:
     return result, info
 
 
+def non_finite_tensors(reader: CheckpointReader) -> list[str]:
+    """A line for each floating tensor (scales, zeros, kept weights, norms) that holds NaN or
+    infinite values, which the runtime would turn into NaN logits."""
+    import torch
+
+    problems = []
+    for name, info in reader.infos.items():
+        if not (isinstance(info.dtype, torch.dtype) and info.dtype.is_floating_point):
+            continue
+        values = reader.get(name).reshape(-1)
+        bad = sum(int((~torch.isfinite(part)).sum()) for part in values.split(1 << 24))  # bounded transients
+        if bad:
+            problems.append(f"{name}: holds {bad} NaN or infinite values")
+    return problems
+
+
 def _read_checkpoint(qdir: Path, result: CheckResult, info: StructureInfo) -> dict | None:
     """config.json, with ``info``'s config and reader filled in; None (and a problem) if it is not
     a readable cpu_int4 checkpoint."""
@@ -108,7 +126,8 @@ def _read_checkpoint(qdir: Path, result: CheckResult, info: StructureInfo) -> di
         if fmt is not FORMAT:
             method = qc.get("quant_method") if isinstance(qc, dict) else None
             export = f" (int4q's {fmt.title} export: {fmt.read_by} read it)" if fmt else ""
-            result.fail(f"this is a {method!r} checkpoint{export}; int4q verify checks {FORMAT.name} checkpoints")
+            what = f"a {method!r} checkpoint" if method else "a checkpoint whose quantization_config names no quant_method"
+            result.fail(f"this is {what}{export}; int4q verify checks {FORMAT.name} checkpoints")
             return None
         info.qconfig = QuantizationConfig.from_dict(qc)
         info.reader = CheckpointReader(qdir)

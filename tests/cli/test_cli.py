@@ -277,8 +277,66 @@ def test_a_damaged_saved_layer_is_found_when_resuming_starts_and_never_advises_r
     saved.write_bytes(saved.read_bytes()[:-64])
     monkeypatch.setattr(layerwise, "_quantize_layer", lambda *a, **k: pytest.fail("redid a layer before checking"))
     result = run(*args, "--resume")
-    assert result.exit_code == 1 and "the saved state in" in result.stderr and "is damaged" in result.stderr
+    assert result.exit_code == 1 and "the saved state in" in result.stderr and "was changed after int4q wrote it" \
+        in result.stderr
     assert "rerun without --resume" in result.stderr and "--resume to continue" not in result.stderr
+
+
+@pytest.mark.parametrize("artefact", ["layer", "hidden", "importance", "state.json"])
+def test_a_resume_refuses_saved_state_changed_after_int4q_wrote_it(tiny_model_tok, tmp_path, monkeypatch, artefact):
+    """Bytes flipped inside a finished layer, the hidden states or state.json's report fields (the
+    file still parses) are found before any work, by the sha256 recorded when each was written."""
+    import quantizer.quantization.layerwise as layerwise
+    from quantizer.calibrate.state import (
+        STATE_DIR,
+        hidden_file,
+        importance_file,
+        layer_file,
+    )
+    from quantizer.io.outdir import partial_dir
+
+    restore = interrupt_gptq_at_second_layer(monkeypatch)
+    args = ("quantize", "--model", tiny_model_tok, "--out", tmp_path / "g", "--method", "gptq", "--nsamples", 2,
+            "--seqlen", 32, "--no-progress")
+    assert run(*args).exit_code == 130
+    restore()
+    state = partial_dir(tmp_path / "g") / STATE_DIR
+    target = {"layer": layer_file(state, 0), "hidden": hidden_file(state, 1), "importance": importance_file(state, 0),
+              "state.json": state / "state.json"}[artefact]
+    data = bytearray(target.read_bytes())
+    if artefact == "state.json":
+        data = bytearray(data.decode().replace('"snr_db": ', '"snr_db": 9', 1).encode())
+    else:
+        data[-200:-100] = bytes(b ^ 0x55 for b in data[-200:-100])  # inside the data, the header intact
+    target.write_bytes(bytes(data))
+    monkeypatch.setattr(layerwise, "_quantize_layer", lambda *a, **k: pytest.fail("redid a layer before checking"))
+    result = run(*args, "--resume")
+    assert result.exit_code == 1 and "was changed after int4q wrote it" in result.stderr, result.output
+    assert f"{target.name}" in result.stderr and "rerun without --resume" in result.stderr
+
+
+def test_a_resume_refuses_files_int4q_did_not_leave_in_its_partial_folder(tiny_model_tok, tmp_path, monkeypatch):
+    from quantizer.calibrate.state import STATE_DIR
+    from quantizer.io.outdir import partial_dir
+
+    restore = interrupt_gptq_at_second_layer(monkeypatch)
+    args = ("quantize", "--model", tiny_model_tok, "--out", tmp_path / "g", "--method", "gptq", "--nsamples", 2,
+            "--seqlen", 32, "--no-progress")
+    assert run(*args).exit_code == 130
+    restore()
+    partial = partial_dir(tmp_path / "g")
+    (partial / "planted.txt").symlink_to("/etc/hostname")
+    result = run(*args, "--resume")
+    assert result.exit_code == 1 and "planted.txt, which int4q did not leave there" in result.stderr
+    assert (partial / "planted.txt").is_symlink() and not (tmp_path / "g").exists()
+    (partial / "planted.txt").unlink()
+    state = partial / STATE_DIR
+    moved = tmp_path / "state-elsewhere"
+    state.rename(moved)
+    state.symlink_to(moved)
+    result = run(*args, "--resume")
+    assert result.exit_code == 1 and "is not a folder int4q made (a link or a file)" in result.stderr
+    assert "--resume to continue" not in result.stderr and moved.is_dir()
 
 
 def test_generate_and_bench_refuse_to_run_past_the_models_positions(tiny_model_tok):
@@ -318,3 +376,18 @@ def test_refine_without_gptq_on_symmetric_grids_is_bad_usage_naming_what_to_add(
     result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--refine", "--no-progress", *extra)
     assert_one_line_error(result, "--refine is for --method gptq on symmetric grids", code=2)
     assert not (tmp_path / "q").exists()
+
+
+def test_an_endless_calibration_file_is_read_only_as_far_as_the_windows_need(tiny_model_tok, tmp_path):
+    """/dev/zero as --calib under a 4 GB address-space limit: read to its budget, not forever."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "quantizer", "quantize", "--model", str(tiny_model_tok), "--out",
+                           str(tmp_path / "w"), "--method", "weighted", "--calib", "/dev/zero", "--nsamples", "2",
+                           "--seqlen", "32", "--no-progress"], capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "w" / "config.json").is_file()

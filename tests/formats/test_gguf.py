@@ -3,18 +3,24 @@ source, with int4q's blocks in place of the weights it quantized; verify proves 
 one line and write nothing; llama.cpp itself loads and runs the file (where its tools are built)."""
 
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import interrupt_gptq_at_second_layer, save_tiny_gpt2, save_tiny_llama
+from conftest import (
+    LLAMA_COMPLETION,
+    TOKENIZER_FILES,
+    assert_llama_cpp_generates,
+    interrupt_gptq_at_second_layer,
+    save_tiny_gpt2,
+    save_tiny_llama,
+)
 
 from quantizer.cli.main import main
 
 gguf = pytest.importorskip("gguf")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-LLAMA_COMPLETION = f"{sys.prefix}/share/int4q/llama.cpp/build/bin/llama-completion"
 needs_llama_cpp = pytest.mark.skipif(not shutil.which(LLAMA_COMPLETION), reason="llama.cpp's tools are not "
                                      "built here: bash scripts/setup_gguf.sh --build")
 
@@ -45,15 +51,6 @@ def quantize(source, out, *extra):
     result = run("quantize", "--model", source, "--out", out, "--format", "gguf", "--no-progress", *extra)
     assert result.exit_code == 0, result.output
     return out
-
-
-def assert_llama_cpp_generates(path):
-    """llama.cpp's own llama-completion loads the file and continues a prompt."""
-    done = subprocess.run([LLAMA_COMPLETION, "-m", str(path), "-p", "The capital of France is", "-n", "8",
-                           "--temp", "0", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
 
 
 def assert_verify_passes(path, source):
@@ -260,3 +257,39 @@ def test_llama_cpp_runs_a_q4_k_file(wide_source, tmp_path):
     out = quantize(wide_source, tmp_path / "k.gguf", "--gguf-type", "q4_k", "--method", "weighted",
                    "--nsamples", "2", "--seqlen", "64")
     assert_llama_cpp_generates(out)
+
+
+@pytest.mark.parametrize("failure", ["short write", "SIGTERM"])
+def test_a_failure_while_the_file_is_assembled_leaves_nothing_behind(source, tmp_path, monkeypatch, failure):
+    """A disk that fills up as the GGUF is written (numpy's short write) is one line naming the
+    file; a stop signal then is 128 + the signal; either way no blocks folder or partial file stays."""
+    import quantizer.formats.gguf.write as write
+    from quantizer.cli.main import Stopped
+
+    def fail(*args, **kwargs):
+        if failure == "SIGTERM":
+            raise Stopped(signal.SIGTERM)
+        raise OSError("15925248 requested and 13065824 written")
+
+    monkeypatch.setattr(write, "write_from_blocks", fail)
+    result = run("quantize", "--model", source, "--out", tmp_path / "m.gguf", "--format", "gguf", "--method",
+                 "weighted", "--nsamples", 2, "--seqlen", 32, "--no-progress")
+    if failure == "SIGTERM":
+        assert result.exit_code == 128 + signal.SIGTERM and "stopped by SIGTERM" in result.stderr
+    else:
+        assert result.exit_code == 1 and f"no space left on the device while writing {tmp_path / 'm.gguf'}" \
+            in result.stderr
+    assert "internal error" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["not JSON", "not UTF-8"])
+def test_verify_names_a_changed_int4q_config_in_one_line(source, tmp_path, damage):
+    out = quantize(source, tmp_path / "m.gguf", "--gguf-type", "q4_0")
+    data = bytearray(out.read_bytes())
+    key = b"int4q.quantization_config"
+    start = data.index(key) + len(key) + 4 + 8  # the value's type and length
+    data[start] = ord("[") if damage == "not JSON" else 0xFF
+    out.write_bytes(bytes(data))
+    result = run("verify", out)
+    assert result.exit_code == 1 and "int4q.quantization_config is not" in result.stdout
+    assert "internal error" not in result.output

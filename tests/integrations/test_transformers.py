@@ -86,3 +86,17 @@ def test_a_bad_quantization_config_fails_in_from_pretrained_with_int4qs_message(
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="group_size"):
         from_pretrained(tmp_path / "bad")
+
+
+def test_a_group_size_the_tensors_do_not_have_is_one_line_naming_the_tensor(tiny_q, tmp_path):
+    import json
+    import shutil
+
+    from quantizer.errors import InputError
+
+    shutil.copytree(tiny_q, tmp_path / "bad")
+    config = json.loads((tmp_path / "bad" / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 32  # supported, but not what the tensors hold
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"weight_scale: shape \[\d+, \d+\] does not match group_size 32"):
+        from_pretrained(tmp_path / "bad")

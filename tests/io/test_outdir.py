@@ -190,3 +190,22 @@ def test_the_lock_refuses_a_second_holder_and_passes_on_when_released(tmp_path):
                 pass
     with output_lock(tmp_path / "q"):
         pass
+
+
+def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path):
+    from quantizer.io.outdir import check_output_file, check_output_target
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(InputError, match=f"--out {blocker}/sub/out: {blocker} is a file, not a folder"):
+        check_output_target(blocker / "sub" / "out", overwrite=False)
+    with pytest.raises(InputError, match=f"--imatrix-out {blocker}/m.gguf: {blocker} is a file, not a folder; "
+                                         "choose another --imatrix-out"):
+        check_output_file(blocker / "m.gguf", False, [], lambda p: True, "--imatrix-out")
+
+
+def test_free_space_is_said_in_a_unit_that_shows_it():
+    from quantizer.io.outdir import readable_bytes
+
+    assert [readable_bytes(n) for n in (3, 4_500, 2_500_000, 7_000_000_000)] == \
+        ["3 bytes", "4.50 kB", "2.50 MB", "7.00 GB"]

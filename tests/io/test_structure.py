@@ -102,3 +102,40 @@ def test_a_billion_layers_is_refused_against_the_shards_before_building(tmp_path
         assert result.exit_code == 1 and "config.json says 1000000000 layers, but the checkpoint holds only" \
             in result.output, result.output
     assert time.perf_counter() - start < 30  # nothing of that size was built
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", 2**40), ("intermediate_size", 2**31), ("vocab_size", 2**34)])
+def test_a_width_no_tensor_could_hold_is_refused_before_any_model_is_built(tmp_path, key, value):
+    import json
+
+    from click.testing import CliRunner
+    from conftest import quantize_to
+
+    from quantizer.cli import main
+
+    src = save_tiny_llama(tmp_path / "bf16")
+    save_byte_tokenizer(src)
+    quantized = quantize_to(src, tmp_path / "int4", group_size=64)
+    save_byte_tokenizer(quantized)
+    for folder in (src, quantized):
+        config = json.loads((folder / "config.json").read_text())
+        config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    for command in (["quantize", "--model", str(src), "--out", str(tmp_path / "q")], ["verify", str(quantized)],
+                    ["generate", str(quantized), "--prompt", "x", "--no-compile"]):
+        done = CliRunner().invoke(main, command)
+        assert done.exit_code != 0 and "internal error" not in done.output, (command, done.output)
+        assert f"config.json says {key} {value}" in done.output or "is not a valid" in done.output, done.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_config_transformers_rejects_is_one_line_not_an_internal_error(tmp_path):
+    import json
+
+    from quantizer.errors import InputError
+    from quantizer.io.structure import build_config
+
+    config = json.loads((save_tiny_llama(tmp_path / "bf16") / "config.json").read_text())
+    config["hidden_size"] = 130  # not a multiple of its 4 heads
+    with pytest.raises(InputError, match="is not a valid 'llama' config .*not a multiple"):
+        build_config(config)

@@ -11,8 +11,8 @@ from conftest import assert_refused_off_by, at_thread_counts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantizer.native.build import NativeUnavailable
 from quantizer.native import causal_attention as causal
+from quantizer.native.build import NativeUnavailable
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from quantizer.cli.main import main
-from quantizer.native.cache import record_digest
+from quantizer.integrity import record_digest
 from quantizer.runtime import load_model
 from quantizer.runtime.decode import background, opening
 from quantizer.runtime.decode import compiled as fastpath

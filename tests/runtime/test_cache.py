@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from quantizer import integrity
 from quantizer.native import cache
 from quantizer.runtime.decode import compiled as fastpath
 from quantizer.runtime.decode import opening
@@ -27,14 +28,35 @@ def test_a_cache_folder_others_can_write_is_refused_in_one_line(tmp_path, monkey
         cache.trusted_cache_dir()
 
 
+@pytest.mark.parametrize("plant", ["link", "shared"])
+def test_a_planted_cache_subfolder_is_refused_with_one_warning(tmp_path, monkeypatch, caplog, plant):
+    root = tmp_path / "c"
+    monkeypatch.setenv("INT4Q_CACHE_DIR", str(root))
+    monkeypatch.setattr(cache, "_warned", set())
+    root.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if plant == "link":
+        (root / "compiled").symlink_to(elsewhere)
+    else:
+        (root / "compiled").mkdir()
+        (root / "compiled").chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            with pytest.raises(cache.UntrustedCache, match="is a link" if plant == "link" else "written by others"):
+                cache.trusted_cache_dir("compiled")
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert cache.trusted_cache_dir() == root  # the root itself is still the user's
+
+
 def test_a_recorded_digest_matches_only_the_same_bytes(tmp_path):
     artefact = tmp_path / "step.aot"
     artefact.write_bytes(b"compiled")
-    assert not cache.matches_digest(artefact)  # never recorded
-    cache.record_digest(artefact)
-    assert cache.matches_digest(artefact)
+    assert not integrity.matches_digest(artefact)  # never recorded
+    integrity.record_digest(artefact)
+    assert integrity.matches_digest(artefact)
     artefact.write_bytes(b"compiled, then planted")
-    assert not cache.matches_digest(artefact)
+    assert not integrity.matches_digest(artefact)
 
 
 def test_an_untrusted_cache_decodes_compiled_but_loads_and_saves_nothing_there(tiny_model, tmp_path, monkeypatch,
@@ -43,7 +65,7 @@ def test_an_untrusted_cache_decodes_compiled_but_loads_and_saves_nothing_there(t
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setenv("INT4Q_CACHE_DIR", str(shared))
-    monkeypatch.setattr(fastpath, "_warned", set())
+    monkeypatch.setattr(cache, "_warned", set())
     monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("loaded a step from an untrusted cache"))
     with caplog.at_level(logging.WARNING):
         decoder = opening.open_decoder(load_model(tiny_model), 16)
@@ -60,7 +82,7 @@ def test_a_planted_step_is_never_unpickled(tiny_model, tmp_path, monkeypatch):
     fastpath.checked_steps.clear()
     opening.open_decoder(model, 16)
     artifact = fastpath.artifact_path(model)
-    assert cache.matches_digest(artifact)
+    assert integrity.matches_digest(artifact)
     artifact.write_bytes(b"\x80\x04 a pickle someone else wrote")
     fastpath.checked_steps.clear()
     monkeypatch.setattr(fastpath, "load_step", lambda path, decoder: pytest.fail("unpickled a file int4q did not save"))

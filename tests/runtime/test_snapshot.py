@@ -105,6 +105,54 @@ def test_a_damaged_snapshot_is_passed_over_for_the_full_path(checkpoint, damage)
     assert snapshot.quick_text(checkpoint, PROMPT, 4, False, GenerationStats()) is None
 
 
+@pytest.mark.parametrize("name", snapshot.SNAPSHOT_FILES)
+def test_flipped_bytes_in_a_snapshot_are_found_and_the_snapshot_made_again(checkpoint, name, caplog):
+    """Bytes flipped inside a file (it still parses) are caught by its recorded sha256: the full
+    path runs, with one warning, and the next save writes a fresh snapshot that serves again."""
+    folder, _ = saved(checkpoint)
+    target = folder / name
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle] = data[middle] ^ 0x01
+    target.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        assert snapshot.quick_text(checkpoint, PROMPT, 4, False, GenerationStats()) is None
+    assert any("was changed after int4q wrote it" in r.getMessage() for r in caplog.records)
+    assert not folder.exists()
+    assert saved(checkpoint) is not None
+    assert "".join(snapshot.quick_text(checkpoint, PROMPT, 8, False, GenerationStats())) == \
+        full_text(checkpoint, PROMPT, tokens=8)
+
+
+def test_weights_rewritten_in_place_with_their_old_times_are_not_served_the_old_snapshot(checkpoint):
+    """cp -p or rsync -a over a checkpoint keeps names, sizes and times; the key also reads each
+    file's inode and change time (which no copy sets) and each shard's header."""
+    saved(checkpoint)
+    before = snapshot.snapshot_dir(checkpoint)
+    shard = checkpoint / "model.safetensors"
+    times = (shard.stat().st_atime_ns, shard.stat().st_mtime_ns)
+    with open(shard, "r+b") as f:  # the same inode, the same size
+        f.seek(-64, os.SEEK_END)
+        tail = f.read(64)
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    os.utime(shard, ns=times)
+    assert snapshot.snapshot_dir(checkpoint) != before
+    assert snapshot.open_snapshot(checkpoint) is None
+
+
+def test_a_snapshot_may_not_set_a_modules_methods_or_internals():
+    from quantizer.runtime.nn.state import module_state, rebuilt_module
+
+    tensors = {}
+    state = module_state(torch.nn.Linear(4, 4), tensors, "x")
+    assert rebuilt_module(state, tensors).in_features == 4
+    for key in ("forward", "_parameters", "__class__", "weight"):
+        planted = {**state, "settings": {**state["settings"], key: 1}}
+        with pytest.raises(ValueError, match=f"sets '{key}', which is not one of its settings"):
+            rebuilt_module(planted, tensors)
+
+
 def test_a_snapshot_that_reads_back_otherwise_is_not_kept(checkpoint, monkeypatch):
     real = snapshot._read
 

@@ -208,3 +208,28 @@ def test_json_through_a_link_is_refused(tmp_path):
     (tmp_path / "r.json").symlink_to(tmp_path / "elsewhere.json")
     result = CliRunner().invoke(main, ["verify", str(tmp_path), "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 2 and "is a link" in result.output and not (tmp_path / "elsewhere.json").exists()
+
+
+@pytest.mark.parametrize("suffix, value", [("weight_scale", float("nan")), ("weight_zero", float("inf"))])
+def test_a_non_finite_scale_or_zero_fails_the_structure_check_and_generate_stops_in_one_line(good, tmp_path, suffix,
+                                                                                            value):
+    def edit(tensors, folder):
+        tensors[f"{TARGET}.{suffix}"][0, 0] = value
+
+    bad = corrupt(good, tmp_path, edit)
+    result = verify(bad)
+    assert result.exit_code == 1 and f"{TARGET}.{suffix}: holds 1 NaN or infinite values" in result.output
+    generated = CliRunner().invoke(main, ["generate", str(bad), "--prompt", "abc", "--max-new-tokens", "4",
+                                          "--no-compile"])
+    assert generated.exit_code == 1 and "NaN or infinite logits" in generated.output, generated.output
+    assert "Traceback" not in generated.output
+
+
+def test_a_config_without_a_quant_method_is_named_as_such(good, tmp_path):
+    bad = shutil.copytree(good, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"bits": 4}
+    (bad / "config.json").write_text(json.dumps(config))
+    result = verify(bad)
+    assert result.exit_code == 1 and "quantization_config names no quant_method" in result.output
+    assert "None" not in result.output

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ...errors import InputError, UnsupportedError
-from ...native.cache import UntrustedCache, digest_path, matches_digest
+from ...integrity import digest_path, matches_digest
+from ...native.cache import UntrustedCache
 from . import compiled as steps
 
 log = logging.getLogger(__name__)

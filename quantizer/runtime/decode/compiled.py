@@ -24,13 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ...native.cache import (
-    UntrustedCache,
-    machine_identity,
-    matches_digest,
-    record_digest,
-    trusted_cache_dir,
-)
+from ...integrity import matches_digest, record_digest
+from ...native.cache import UntrustedCache, machine_identity, trusted_cache_dir
 from ...native.constant import prepare_compile
 from ..kernels.attention import has_attend_one
 from ..kernels.gemv import has_gemv, has_mean_square
@@ -55,7 +50,7 @@ checked_steps: dict[Path, object] = {}  # checked compiled steps by artifact, sh
 
 def compiled_dir() -> Path:
     """Where compiled decode steps are saved (Inductor's code for them: beside, in ``inductor``)."""
-    return trusted_cache_dir() / "compiled"
+    return trusted_cache_dir("compiled")
 
 
 def artifact_path(model: torch.nn.Module, variant: str = "") -> Path:
@@ -230,4 +225,4 @@ def inductor_cache():
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
     except ImportError:
         return contextlib.nullcontext()
-    return temporary_cache_dir(str(trusted_cache_dir() / "inductor"))
+    return temporary_cache_dir(str(trusted_cache_dir("inductor")))

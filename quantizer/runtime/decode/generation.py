@@ -39,10 +39,13 @@ def greedy_ids(model, input_ids: torch.Tensor, max_new_tokens: int, streamer=Non
                eos: set[int] | None = None) -> torch.Tensor:
     """Greedy continuation ids [1, <= max_new_tokens]; stops at any id of ``eos`` (default: the
     model's generation config's)."""
+    from transformers import LogitsProcessorList
+
     stop = {"eos_token_id": sorted(eos)} if eos else {}
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, streamer=streamer, temperature=None, top_p=None, top_k=None, **stop)
+                             do_sample=False, streamer=streamer, temperature=None, top_p=None, top_k=None,
+                             logits_processor=LogitsProcessorList([_refuse_non_finite]), **stop)
     return out[:, input_ids.shape[1]:]
 
 
@@ -53,6 +56,23 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+class NonFiniteLogits(InputError):
+    """The model computed NaN or infinite logits."""
+
+
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits``, or NonFiniteLogits in one line where any is NaN or infinite (a damaged
+    checkpoint: a greedy pick among them would be meaningless)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits("the model computed NaN or infinite logits, so its weights, scales or zeros are not "
+                              "finite; run `int4q verify` on the checkpoint, and quantize it again")
+    return logits
+
+
+def _refuse_non_finite(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    return check_finite(scores)
 
 
 def greedy_token(logits: torch.Tensor) -> torch.Tensor:
@@ -66,7 +86,7 @@ def fast_greedy(decoder, input_ids: torch.Tensor, max_new_tokens: int, eos: set[
     decoder.reset()
     logits = decoder.forward(input_ids)
     for i in range(max_new_tokens):
-        token = int(greedy_token(logits))
+        token = int(greedy_token(check_finite(logits)))
         yield token
         if token in eos or i == max_new_tokens - 1:
             return

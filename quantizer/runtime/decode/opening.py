@@ -31,8 +31,7 @@ def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
         return decoder
     try:
         artifact = steps.artifact_path(model, decoder.variant)
-    except UntrustedCache as e:
-        steps.warn_once(f"{e}; compiling the decode step without loading or saving it there")
+    except UntrustedCache:  # trusted_cache_dir has said so, once
         artifact = None
     if source is None or artifact is None or artifact in steps.checked_steps:
         steps.compile_step(decoder, artifact)

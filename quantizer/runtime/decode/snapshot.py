@@ -4,10 +4,12 @@ takes most of a warm start): the plan's tensors, the embedding's and the head's,
 tables, and the tokenizer (:mod:`.quick_tokenizer`).
 
 A snapshot is written after a run that decoded natively, once per checkpoint (its files' names,
-sizes, times and links), int4q runtime source, torch version, machine and activation choice, in
-the int4q cache folder (private to this user, as for the other artefacts): ``tensors.safetensors``,
-``meta.json`` and ``tokenizer.json``, no code. It is kept only where, read back, it gives the
-native step's logits bit for bit; a run then uses it for prompts the plan takes in one call
+sizes, times, inodes and links, config.json's bytes and each shard's header), int4q runtime
+source, torch version, machine and activation choice, in the int4q cache folder (private to this
+user, as for the other artefacts): ``tensors.safetensors``, ``meta.json`` and ``tokenizer.json``,
+each with its sha256 recorded (:mod:`quantizer.integrity`), no code. It is kept only where, read
+back, it gives the native step's logits bit for bit; one whose files no longer match their
+digests is removed and made again; a run then uses it for prompts the plan takes in one call
 (``rows``) and gives what the full path gives, token for token. ``INT4Q_QUICK_START=0`` neither
 writes nor reads snapshots.
 """
@@ -27,12 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ...native.cache import (
-    UntrustedCache,
-    machine_identity,
-    temporary_sibling,
-    trusted_cache_dir,
-)
+from ...integrity import changed_files, record_digest, temporary_sibling
+from ...native.cache import UntrustedCache, machine_identity, trusted_cache_dir
 from ..activations import current as current_activations
 from ..kernels.attention import has_attend_one
 from ..kernels.w4a8 import has_w4a8
@@ -53,7 +51,7 @@ from .quick_tokenizer import QuickTokenizer, quick_record
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 ENV = "INT4Q_QUICK_START"
 POSITIONS = 32768
 """Rotary positions a snapshot keeps (fewer where the model has fewer, or a sliding window)."""
@@ -70,11 +68,34 @@ def snapshot_dir(model_dir: Path) -> Path:
     files = []
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         st = entry.stat()
-        files.append([entry.name, st.st_size, st.st_mtime_ns, os.readlink(entry.path) if entry.is_symlink() else ""])
+        files.append([entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
+                      os.readlink(entry.path) if entry.is_symlink() else "", _content_digest(Path(entry.path))])
     key = {"version": VERSION, "folder": str(root), "files": files, "sources": runtime_source_digest(),
            "torch": torch.__version__, "machine": machine_identity(), "activations": current_activations().encode()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return trusted_cache_dir() / "snapshots" / digest
+    return trusted_cache_dir("snapshots") / digest
+
+
+def _content_digest(path: Path) -> str:
+    """What of a checkpoint file the key reads: config.json whole, a safetensors shard's header
+    (names, dtypes, shapes, offsets), nothing of other files (their times and inode stand for them)."""
+    if path.name == "config.json" or path.suffix == ".safetensors":
+        try:
+            with open(path, "rb") as f:
+                if path.name == "config.json":
+                    return hashlib.sha256(f.read()).hexdigest()
+                length = int.from_bytes(f.read(8), "little")
+                return hashlib.sha256(f.read(min(length, 100 * 1000**2))).hexdigest()
+        except OSError:
+            return ""
+    return ""
+
+
+SNAPSHOT_FILES = ("tensors.safetensors", "meta.json", "tokenizer.json")
+
+
+class DamagedSnapshot(ValueError):
+    """A snapshot's files are not what int4q wrote (its recorded digests do not match)."""
 
 
 @dataclass
@@ -142,6 +163,10 @@ def open_snapshot(model_dir: Path) -> Snapshot | None:
             return None
         snapshot = _read(folder)
         return snapshot if _has_kernels(snapshot.spec()) else None
+    except DamagedSnapshot as e:
+        log.warning("%s; removed it, and this run makes it again", e)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
     except (UntrustedCache, OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
         log.info("no quick start for %s: %s", model_dir, e)
         return None
@@ -153,6 +178,11 @@ def _has_kernels(spec: PlanSpec) -> bool:
 
 
 def _read(folder: Path) -> Snapshot:
+    """The snapshot in ``folder``; DamagedSnapshot where a file is not the one int4q recorded."""
+    changed = changed_files(folder / name for name in SNAPSHOT_FILES)
+    if changed:
+        raise DamagedSnapshot(f"the quick-start snapshot {folder} was changed after int4q wrote it "
+                              f"({changed[0].name} does not match its recorded sha256)")
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("version") != VERSION:
         raise ValueError(f"snapshot version {meta.get('version')}, not {VERSION}")
@@ -226,6 +256,8 @@ def _write_checked(folder: Path, meta: dict, tensors: dict, tokenizer_json: str,
         save_file({name: t.contiguous().clone() for name, t in tensors.items()}, work / "tensors.safetensors")
         (work / "tokenizer.json").write_text(tokenizer_json)
         (work / "meta.json").write_text(json.dumps(meta))
+        for name in SNAPSHOT_FILES:
+            record_digest(work / name)
         _check(_read(work).decoder(MIN_CACHE), decoder)
         size = sum(f.stat().st_size for f in work.iterdir())
         work.rename(folder)

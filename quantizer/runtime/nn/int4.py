@@ -201,7 +201,7 @@ class Int4Lookup(torch.nn.Embedding):
 
     def _int4_setup(self, int4pack, sz, row_major, group_size: int):
         self.group_size = group_size
-        self._int4_shape = (self.num_embeddings, self.embedding_dim)
+        self.table_shape = (self.num_embeddings, self.embedding_dim)
         del self._parameters["weight"]
         self.register_buffer("int4pack", int4pack, persistent=False)
         self.register_buffer("sz", sz, persistent=False)
@@ -213,7 +213,7 @@ class Int4Lookup(torch.nn.Embedding):
     @property
     def weight(self) -> torch.Tensor:
         """Shape and dtype only (on the meta device): the table is never materialised."""
-        return torch.empty(self._int4_shape, dtype=torch.bfloat16, device="meta")
+        return torch.empty(self.table_shape, dtype=torch.bfloat16, device="meta")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)

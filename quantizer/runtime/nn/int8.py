@@ -81,7 +81,7 @@ class Int8Lookup(torch.nn.Embedding):
     like the 4-bit lookup, so a class that scales its output (Gemma) still does."""
 
     def _int8_setup(self, codes: torch.Tensor, scale: torch.Tensor):
-        self._int8_shape = (self.num_embeddings, self.embedding_dim)
+        self.table_shape = (self.num_embeddings, self.embedding_dim)
         del self._parameters["weight"]
         self.register_buffer("codes", _aligned(codes), persistent=False)
         self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16), persistent=False)
@@ -89,7 +89,7 @@ class Int8Lookup(torch.nn.Embedding):
     @property
     def weight(self) -> torch.Tensor:
         """Shape and dtype only (on the meta device): the table is never materialised."""
-        return torch.empty(self._int8_shape, dtype=torch.bfloat16, device="meta")
+        return torch.empty(self.table_shape, dtype=torch.bfloat16, device="meta")
 
     @property
     def table_key(self) -> torch.Tensor:

@@ -40,8 +40,15 @@ def module_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], pref
                 names[_identity(tensor)] = f"{prefix}.{name}"
                 tensors[f"{prefix}.{name}"] = tensor.detach()
             entries[group][name] = None if tensor is None else names[_identity(tensor)]
-    settings = {k: v for k, v in vars(module).items() if k not in ("_buffers", "_parameters") and _plain(v)}
+    settings = {k: v for k, v in vars(module).items() if not k.startswith("_") and _plain(v)}
     return {"kind": kind, "settings": settings, **entries}
+
+
+def settable(cls: type, module: torch.nn.Module, key: str) -> bool:
+    """Whether a state may set ``key`` on a fresh ``module`` of ``cls``: a public name that is no
+    method, property or torch.nn.Module internal."""
+    return (key.isidentifier() and not key.startswith("_") and not hasattr(cls, key)
+            and (key not in vars(module) or key == "training"))
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -56,6 +63,11 @@ def rebuilt_module(state: dict, tensors: dict[str, torch.Tensor]) -> torch.nn.Mo
         raise ValueError(f"a snapshot names module class {state.get('kind')!r}")
     module = cls.__new__(cls)
     torch.nn.Module.__init__(module)
+    tensor_names = {*state["_buffers"], *state["_parameters"]}
+    bad = [k for k, v in state["settings"].items()
+           if not settable(cls, module, k) or k in tensor_names or not _plain(v)]
+    if bad:
+        raise ValueError(f"a snapshot's {state['kind']} sets {bad[0]!r}, which is not one of its settings")
     for key, value in state["settings"].items():
         module.__dict__[key] = tuple(value) if isinstance(value, list) else value
     missing = [k for k in (*state["_buffers"].values(), *state["_parameters"].values()) if k and k not in tensors]
