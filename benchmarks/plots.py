@@ -55,11 +55,12 @@ def plot_gguf(rows: list[dict], out: Path, title: str) -> None:
 def plot_speed(report: dict, out: Path, title: str) -> None:
     arms = report["arms"]
     labels = list(arms)
+    names = [f"{label}\n{arms[label]['kind']}" for label in labels]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     for ax, key, what in ((axes[0], "pp_median", f"prefill pp{report['pp']}"),
                           (axes[1], "tg_median", f"decode tg{report['tg']}")):
         values = [arms[label][key] or 0 for label in labels]
-        bars = ax.barh(labels, values, color=["tab:blue" if "llama" not in arms[label]["kind"] else "tab:gray"
+        bars = ax.barh(names, values, color=["tab:blue" if "llama" not in arms[label]["kind"] else "tab:gray"
                                               for label in labels])
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xlabel("tokens/s (median)")

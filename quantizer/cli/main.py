@@ -80,8 +80,10 @@ def _stop(signum, frame):
 OS_ERRORS = {
     errno.ENOSPC: "no space left on the device while writing {where}; free space or choose another --out",
     errno.EDQUOT: "disk quota exceeded while writing {where}; free space or choose another --out",
-    errno.EACCES: "permission denied: {where}; choose a folder you can write to",
-    errno.EPERM: "operation not permitted: {where}; choose a folder you can write to",
+    errno.EACCES: "permission denied: {where}; make it readable if int4q reads it, writable if it writes it, or "
+                  "choose another path",
+    errno.EPERM: "operation not permitted: {where}; make it readable if int4q reads it, writable if it writes it, "
+                 "or choose another path",
     errno.EROFS: "read-only file system: {where}; choose a writable folder",
     errno.ENOTDIR: "{where}: a part of that path is a file, not a folder; choose another path",
 }

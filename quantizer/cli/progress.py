@@ -1,13 +1,19 @@
 """Progress the way people expect it on stderr: on a terminal a tqdm bar with a rate and an ETA;
-when stderr is not a terminal (a log, CI), plain lines with the same numbers, at most one per
-tenth of the work for byte counts. Presentation only: the core reports (label, done, total)."""
+when stderr is not a terminal (a log, CI), plain lines with the same numbers: one as a step
+starts, one per finished unit (per :data:`INTERVAL` for byte counts), and one at least every
+:data:`INTERVAL` seconds while a unit takes longer. Presentation only: the core reports (label,
+done, total)."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import click
+
+INTERVAL = 10.0
+"""Seconds between plain lines at most, while a step runs."""
 
 
 def is_terminal() -> bool:
@@ -18,18 +24,20 @@ def is_terminal() -> bool:
 class Steps:
     """One long step: ``total`` units of ``unit`` named ``label``."""
 
-    def __init__(self, label: str, total: int, unit: str = "step", enabled: bool = True, every: float = 0.0,
-                 done: int = 0):
-        self.label, self.total, self.unit, self.enabled = label, total, unit, enabled
-        self.every = every  # plain lines: only after this fraction of the total more is done
-        self.done, self.first, self.started, self.last_shown = done, done, time.perf_counter(), done
-        self.bar = None
+    def __init__(self, label: str, total: int, unit: str = "step", enabled: bool = True, done: int = 0,
+                 interval: float = INTERVAL):
+        self.label, self.total, self.unit, self.enabled, self.interval = label, total, unit, enabled, interval
+        self.done, self.first, self.started = done, done, time.perf_counter()
+        self.bar, self.last_line, self._lock, self._stop = None, self.started, threading.Lock(), threading.Event()
         if enabled and is_terminal():
             from tqdm import tqdm
 
             scale = unit == "B"
             self.bar = tqdm(total=total, initial=done, desc=label, unit=unit, unit_scale=scale, file=sys.stderr,
                             leave=True)
+        elif enabled:
+            self._line("")
+            threading.Thread(target=self._heartbeat, name="int4q-progress", daemon=True).start()
 
     def update(self, done: int, note: str = "") -> None:
         """``done`` units are finished (a running count); ``note`` says what the last one did."""
@@ -38,10 +46,20 @@ class Steps:
             if note:
                 self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(step)
-        elif self.enabled and done > self.last_shown and (done >= self.total
-                                                            or done - self.last_shown >= self.every * self.total):
-            self.last_shown = done
+        elif self.enabled and step > 0 and (done >= self.total or self.unit != "B"
+                                            or time.perf_counter() - self.last_line >= self.interval):
+            self._line(note)
+
+    def _line(self, note: str) -> None:
+        with self._lock:
+            self.last_line = time.perf_counter()
             click.echo(f"int4q: {self.label} {self._count()}{' ' + note if note else ''} ({self._rate()})", err=True)
+
+    def _heartbeat(self) -> None:
+        """A line whenever :attr:`interval` passes without one, until the step closes."""
+        while not self._stop.wait(max(self.interval - (time.perf_counter() - self.last_line), 0.05)):
+            if time.perf_counter() - self.last_line >= self.interval and self.done < self.total:
+                self._line(f"running for {time.perf_counter() - self.started:.0f} s")
 
     def _count(self) -> str:
         if self.unit == "B":
@@ -61,6 +79,7 @@ class Steps:
         return f"{shown}, ETA {eta:.0f} s"
 
     def close(self) -> None:
+        self._stop.set()
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -190,7 +190,7 @@ class _ShownProgress:
     def start(self, total_bytes: int) -> None:
         from .progress import Steps
 
-        self.bytes = Steps("quantize", total_bytes, unit="B", enabled=self.enabled, every=0.1)
+        self.bytes = Steps("quantize", total_bytes, unit="B", enabled=self.enabled)
 
     def advance(self, nbytes: int) -> None:
         self.bytes.update(self.bytes.done + nbytes)
