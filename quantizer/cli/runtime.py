@@ -145,6 +145,8 @@ def compile_step(model_dir, threads, max_len, decode, prefill):
               help="Prefill length (pp); 0 skips prefill.")
 @click.option("--gen-tokens", default=128, show_default=True, type=click.IntRange(0, 100_000),
               help="Decode steps (tg), not counting the prompt's forward; 0 skips decode.")
+@click.option("--depth", default=0, show_default=True, type=click.IntRange(0, 1_000_000),
+              help="Tokens of context before the decode steps (as llama-bench's -d); its prefill is not timed.")
 @click.option("--reps", default=3, show_default=True, type=click.IntRange(1, 100))
 @click.option("--threads", type=click.IntRange(1, 1024), help="Torch intra-op threads (default: torch's choice).")
 @click.option("--compile/--no-compile", default=True, show_default=True,
@@ -153,8 +155,8 @@ def compile_step(model_dir, threads, max_len, decode, prefill):
 @click.option("--compare-exact", is_flag=True,
               help="Also measure the checkpoint with exact activations (arm 'exact'), interleaved with the others.")
 @activation_options
-def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile, json_path, compare_exact, decode,
-          prefill):
+def bench(model_dir, baseline, prompt_tokens, gen_tokens, depth, reps, threads, compile, json_path, compare_exact,
+          decode, prefill):
     """llama-bench style prefill and decode speed, and resident memory after load."""
     import json
 
@@ -179,10 +181,12 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, reps, threads, compile
 
     try:
         out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show,
-                           compare_exact=compare_exact)
+                           compare_exact=compare_exact, depth=depth)
     finally:
         steps.close()
-    click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} tg{gen_tokens}, "
+    at_depth = f" at depth {depth}" if depth else ""
+    click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} "
+               f"tg{gen_tokens}{at_depth}, "
                f"{reps} reps (best / median), int4 activations {out['activations']}")
     for name, r in out["arms"].items():
         pp = f"pp {r['pp_best']} / {r['pp_median']} tok/s   " if prompt_tokens else ""

@@ -62,11 +62,12 @@ def prefill_tokens_per_s(model, n_tokens: int, decoder=None) -> float:
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model, n_tokens: int, decoder=None) -> float:
-    """Greedy single-token steps after a 1-token prompt; the prompt's forward is not timed."""
+def decode_tokens_per_s(model, n_tokens: int, decoder=None, depth: int = 0) -> float:
+    """Greedy single-token steps after a prompt of ``depth`` tokens (1 at least), as llama-bench's
+    ``-d``: the steps attend over that much context; the prompt's forward is not timed."""
     from transformers import DynamicCache
 
-    ids = _token_ids(model, 1)
+    ids = _token_ids(model, max(depth, 1))
     if decoder is not None:
         decoder.reset()
         step = decoder.forward
@@ -90,15 +91,16 @@ def load_measured(load, path, name: str) -> tuple[torch.nn.Module, ArmResult]:
 
 
 def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], prompt_tokens: int,
-              gen_tokens: int, reps: int, progress=None, compile: bool = True) -> None:
+              gen_tokens: int, reps: int, progress=None, compile: bool = True, depth: int = 0) -> None:
     """Open each arm's decoder (the path ``int4q generate`` takes, compiled when ``compile``), warm
-    it up, then run ``reps`` rounds with the arms interleaved within each round."""
+    it up, then run ``reps`` rounds with the arms interleaved within each round; decode after
+    ``depth`` tokens of context."""
     from .decode.opening import open_decoder
 
     decoders = {}
     for name, model in arms.items():
         started = time.perf_counter()
-        decoders[name] = open_decoder(model, max(prompt_tokens, 1) + gen_tokens + 1, compile=compile)
+        decoders[name] = open_decoder(model, max(prompt_tokens, depth, 1) + gen_tokens + 1, compile=compile)
         results[name].open_seconds = time.perf_counter() - started
         results[name].path = describe_path(decoders[name])
         prefill_tokens_per_s(model, min(prompt_tokens, 32) or 1, decoders[name])
@@ -108,7 +110,7 @@ def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], p
             if prompt_tokens:
                 results[name].pp.append(prefill_tokens_per_s(model, prompt_tokens, decoders[name]))
             if gen_tokens:
-                results[name].tg.append(decode_tokens_per_s(model, gen_tokens, decoders[name]))
+                results[name].tg.append(decode_tokens_per_s(model, gen_tokens, decoders[name], depth))
             if progress:
                 progress(rep, name, results[name])
 
@@ -121,10 +123,11 @@ def describe_path(decoder) -> str:
 
 
 def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps: int, compile: bool = True,
-                 progress=None, compare_exact: bool = False) -> dict:
+                 progress=None, compare_exact: bool = False, depth: int = 0) -> dict:
     """Load the int4 model (with the process's activation setting; also with exact activations
-    when ``compare_exact``, and the bf16 ``baseline``), measure them interleaved, and return the
-    report: machine, lengths, each arm's summary, ratios and the process's peak RSS."""
+    when ``compare_exact``, and the bf16 ``baseline``), measure them interleaved (decode after
+    ``depth`` tokens of context), and return the report: machine, lengths, each arm's summary,
+    ratios and the process's peak RSS."""
     import functools
     import platform
 
@@ -137,13 +140,14 @@ def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps:
     plan = [("int4", model_dir, None)] + ([("exact", model_dir, EXACT)] if compare_exact else [])
     for name, path, activations in plan + ([("baseline", baseline, None)] if baseline else []):
         arms[name], results[name] = load_measured(functools.partial(load_model, activations=activations), path, name)
-        check_positions(arms[name].config, prompt_tokens + gen_tokens,
-                        f"--prompt-tokens {prompt_tokens} and --gen-tokens {gen_tokens}")
-    run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile)
+        longest = f"--depth {depth}" if depth > prompt_tokens else f"--prompt-tokens {prompt_tokens}"
+        check_positions(arms[name].config, max(prompt_tokens, depth) + gen_tokens,
+                        f"{longest} and --gen-tokens {gen_tokens}")
+    run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile, depth=depth)
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
-        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "reps": reps, "activations": current().encode(),
+        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "depth": depth, "reps": reps, "activations": current().encode(),
         "arms": {name: r.summary() for name, r in results.items()},
         "peak_rss_mb": round(proc_status_mb("VmHWM"), 1),
     }

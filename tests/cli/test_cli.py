@@ -391,3 +391,39 @@ def test_an_endless_calibration_file_is_read_only_as_far_as_the_windows_need(tin
                           preexec_fn=limit)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "w" / "config.json").is_file()
+
+
+def test_bench_decodes_after_a_context_of_the_given_depth_and_refuses_one_past_the_models_positions(
+        tiny_model_tok, tmp_path):
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--prompt-tokens", "8", "--gen-tokens", "4",
+                                     "--depth", "100", "--reps", "1", "--no-compile", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    assert "tg4 at depth 100" in done.output and json.loads(out.read_text())["depth"] == 100
+    too_deep = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--prompt-tokens", "8", "--gen-tokens", "8",
+                                         "--depth", "510", "--no-compile"])
+    assert too_deep.exit_code == 1 and "--depth 510 and --gen-tokens 8 make 518 positions" in too_deep.output
+    negative = CliRunner().invoke(main, ["bench", str(tiny_model_tok), "--depth", "-1"])
+    assert negative.exit_code == 2 and "--depth" in negative.output
+
+
+def test_decode_speed_at_depth_times_only_the_steps_after_the_context():
+    import torch
+
+    from quantizer.runtime.bench import decode_tokens_per_s
+
+    class Recorder:
+        config = type("C", (), {"get_text_config": lambda self: type("T", (), {"vocab_size": 512})()})()
+
+    calls = []
+
+    class Decoder:
+        def reset(self):
+            calls.append("reset")
+
+        def forward(self, ids):
+            calls.append(ids.shape[1])
+            return torch.zeros(1, 512)
+
+    assert decode_tokens_per_s(Recorder(), 3, Decoder(), depth=50) > 0
+    assert calls == ["reset", 50, 1, 1, 1]
