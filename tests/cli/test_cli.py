@@ -134,7 +134,7 @@ def test_too_little_free_space_is_refused_before_any_work(tiny_model, tmp_path, 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     result = run("quantize", "--model", tiny_model, "--out", tmp_path / "q", "--no-progress")
-    assert_one_line_error(result, f"{tmp_path} has 0.00 GB free, but writing q needs about")
+    assert_one_line_error(result, f"{tmp_path} has 1.00 kB free, but writing q needs about")
     assert list(tmp_path.iterdir()) == []
 
 
