@@ -30,25 +30,26 @@ def test_slow_steps_show_seconds_per_step(capsys):
 
 
 def test_byte_counts_print_a_line_per_interval_and_the_last(capsys):
-    steps = Steps("quantize", 1000, unit="B", interval=0.05)
+    steps = Steps("quantize", 1000, unit="B", interval=0.2)
     for done in range(10, 1001, 10):
         steps.update(done)
         if done == 500:
-            time.sleep(0.06)
+            time.sleep(0.25)
     steps.close()
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 3 and lines[0].endswith("(starting)") and all("MB/s" in line for line in lines[1:])
+    assert lines[0].endswith("(starting)") and all("MB/s" in line for line in lines[1:])
+    assert 3 <= len(lines) <= 5  # not one per update: the start, one for the pause, the end
 
 
 def test_a_long_unit_gets_a_line_every_interval_with_how_long_it_has_run(capsys):
     steps = Steps("layer", 2, unit="layer", interval=0.05)
-    time.sleep(0.17)
+    time.sleep(0.3)
     steps.update(1)
     steps.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "int4q: layer 0/2 (starting)" and lines[-1].startswith("int4q: layer 1/2 (")
     beats = [line for line in lines if "running for" in line]
-    assert 2 <= len(beats) <= 4 and beats[0].startswith("int4q: layer 0/2 running for 0 s")
+    assert 2 <= len(beats) <= 6 and beats[0].startswith("int4q: layer 0/2 running for ")
 
 
 def test_disabled_progress_prints_nothing(capsys):
