@@ -35,7 +35,7 @@ def quantize(model: str | Path, out: str | Path, *, format: str = "cpu_int4", me
     from .quantization.run import Progress, quantize_checkpoint
 
     options = QuantizeOptions(
-        group_size=None if group_size == "auto" else int(group_size), symmetric=symmetric, clip_search=clip_search,
+        group_size=_group_size(group_size), symmetric=symmetric, clip_search=clip_search,
         untie_head=untie_head, ignore=tuple(ignore),
         max_shard_bytes=max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size),
         method=method, checkpoint_format=format, recipe=recipe, embedding_bits=embedding_bits, head_bits=head_bits,
@@ -48,6 +48,18 @@ def quantize(model: str | Path, out: str | Path, *, format: str = "cpu_int4", me
                               Path(calib) if calib is not None else None, windows, settings, resume, device,
                               Path(imatrix_out) if imatrix_out is not None else None)
     return quantize_checkpoint(checked_request(request, refine), progress or Progress())
+
+
+def _group_size(value: int | str) -> int | None:
+    """``"auto"`` (None), or a whole number; UsageError otherwise."""
+    from .errors import UsageError
+
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"group_size {value!r} is neither 'auto' nor a whole number (32, 64, 128 or 256)") from None
 
 
 def calibration_precision(choice: str, device: str) -> str:

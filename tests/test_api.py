@@ -99,3 +99,17 @@ def test_quantize_help_lists_its_options_in_sections_with_examples():
     assert positions == sorted(positions)
     assert text.index("--gguf-type") < text.index("Precision and recipes:") < text.index("--recipe")
     assert text.index("GPTQ:") < text.index("--refine") and "--keep-embedding" not in text
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(group_size="large"), "is neither 'auto' nor a whole number"),
+    (dict(overrides=["down_proj"]), "expected PATTERN=BITS"),
+    (dict(max_shard_size="lots"), "cannot read size 'lots'"),
+    (dict(method="nope"), "method 'nope' is not one of"),
+])
+def test_bad_api_options_are_one_line_int4q_errors_and_write_nothing(tiny_model, tmp_path, options, words):
+    from quantizer.errors import Int4qError
+
+    with pytest.raises(Int4qError, match=words) as caught:
+        quantizer.quantize(tiny_model, tmp_path / "q", **options)
+    assert "\n" not in str(caught.value) and not (tmp_path / "q").exists()
