@@ -16,6 +16,11 @@ that build's own ``llama-bench`` (arm ``<gguf>@<LABEL>``), e.g. the native and t
 ``scripts/setup_gguf.sh --build`` / ``--build-portable``, so a build choice never hides a faster
 llama.cpp.
 
+``--bench-flags LABEL="FLAGS"`` gives that build's runs extra llama-bench flags, e.g. an
+ik_llama.cpp build's best settings on a CPU (``ik="-rtr 1 -fa 1"``); any llama.cpp fork with a
+``llama-bench`` runs this way, found by its path (int4q neither ships nor builds one).
+``--depth D`` decodes after D tokens of context in every arm (llama-bench's ``-d``).
+
 With ``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile
 caches) and warm (reusing what the first run saved).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -49,31 +55,33 @@ Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 
 
 class TorchArm:
-    def __init__(self, label: str, path: str, pp: int, tg: int, activations: Activations | None = None):
+    def __init__(self, label: str, path: str, pp: int, tg: int, activations: Activations | None = None,
+                 depth: int = 0):
         self.model, measured = load_measured(lambda p: load_model(p, activations=activations), path, label)
-        self.rss_mb = measured.load_rss_anon_mb
+        self.rss_mb, self.depth = measured.load_rss_anon_mb, depth
         started = time.perf_counter()
-        self.decoder = open_decoder(self.model, max(pp, 1) + tg + 1)
+        self.decoder = open_decoder(self.model, max(pp, depth, 1) + tg + 1)
         self.label, self.kind, self.open_s = label, f"int4q ({describe_path(self.decoder)})", time.perf_counter() - started
 
     def pp(self, n: int) -> float:
         return prefill_tokens_per_s(self.model, n, self.decoder)
 
     def tg(self, n: int) -> float:
-        return decode_tokens_per_s(self.model, n, self.decoder)
+        return decode_tokens_per_s(self.model, n, self.decoder, self.depth)
 
 
 class LlamaCppArm:
-    def __init__(self, label: str, path: str, pp: int, tg: int, threads: int):
+    def __init__(self, label: str, path: str, pp: int, tg: int, threads: int, depth: int = 0):
         import llama_cpp
 
         def load(gguf):
             return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
-                                   n_ctx=max(pp, 1) + tg + 8, n_batch=max(pp, 1), use_mmap=False, verbose=False)
+                                   n_ctx=max(pp, depth, 1) + tg + 8, n_batch=max(pp, depth, 1), use_mmap=False,
+                                   verbose=False)
 
         self.llm, measured = load_measured(load, path, label)
         self.rss_mb = measured.load_rss_anon_mb
-        self.label, self.kind, self.open_s = label, "llama.cpp", 0.0
+        self.label, self.kind, self.open_s, self.depth = label, "llama.cpp", 0.0, depth
         self.vocab = self.llm.n_vocab()
 
     def pp(self, n: int) -> float:
@@ -85,7 +93,7 @@ class LlamaCppArm:
 
     def tg(self, n: int) -> float:
         self.llm.reset()
-        self.llm.eval([100])
+        self.llm.eval([100 + (i * 7919) % (self.vocab - 200) for i in range(max(self.depth, 1))])
         start = time.perf_counter()
         for i in range(n):
             self.llm.eval([101 + i])
@@ -95,21 +103,31 @@ class LlamaCppArm:
 class LlamaBenchArm:
     """One GGUF through a llama.cpp build's own ``llama-bench`` (a process per rep, one repetition each)."""
 
-    def __init__(self, label: str, binary: str, path: str, threads: int):
+    def __init__(self, label: str, binary: str, path: str, threads: int, flags: tuple[str, ...] = (), depth: int = 0):
         self.label, self.kind = label, f"llama-bench {Path(binary).parent.parent.name}"
+        if flags:
+            self.kind += " " + " ".join(flags)
         self.open_s, self.rss_mb = 0.0, 0.0
-        self.binary, self.path, self.threads = binary, path, threads
+        self.binary, self.path, self.threads, self.flags, self.depth = binary, path, threads, flags, depth
+        usage = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        self.depth_option = "-d" if "-d, --n-depth" in usage else "-gp" if "-gp <pp,tg>" in usage else None
+        if depth and self.depth_option is None:
+            sys.exit(f"{binary} has neither -d nor -gp: it cannot decode at a depth")
 
-    def _run(self, pp: int, tg: int) -> float:
-        done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), "-p", str(pp), "-n", str(tg),
-                               "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    def _run(self, pp: int, tg: int, depth: int = 0) -> float:
+        if depth and self.depth_option == "-gp":  # ik_llama.cpp: tg tokens after a pp-token prompt
+            lengths = ["-p", "0", "-n", "0", "-gp", f"{depth},{tg}"]
+        else:
+            lengths = ["-p", str(pp), "-n", str(tg), *(["-d", str(depth)] if depth else [])]
+        done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), *lengths, *self.flags, "-r", "1",
+                               "-o", "json"], capture_output=True, text=True, check=True)
         return float(json.loads(done.stdout)[0]["avg_ts"])
 
     def pp(self, n: int) -> float:
         return self._run(n, 0)
 
     def tg(self, n: int) -> float:
-        return self._run(0, n)
+        return self._run(0, n, self.depth)
 
 
 def make_q4_0(source: Path) -> Path:
@@ -188,6 +206,9 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="also run each --int4 with int8 activations")
     ap.add_argument("--llama-bench", action="append", default=[],
                     help="LABEL=BINARY: also run every GGUF through this llama.cpp build's llama-bench (repeatable)")
+    ap.add_argument("--bench-flags", action="append", default=[],
+                    help='LABEL="FLAGS": extra llama-bench flags for that --llama-bench build, e.g. ik="-rtr 1 -fa 1"')
+    ap.add_argument("--depth", type=int, default=0, help="decode after this many tokens of context (llama-bench -d)")
     ap.add_argument("--no-python-llama", action="store_true",
                     help="run GGUFs only through --llama-bench, not through llama-cpp-python")
     ap.add_argument("--threads", type=int, default=2)
@@ -207,15 +228,16 @@ def main() -> None:
     if args.int4 or args.bf16:  # one-time imports and allocations are not charged to the first arm
         import_architecture(args.int4[0] if args.int4 else args.bf16)
     exact, int8 = EXACT, Activations("int8", "int8")
-    arms = [TorchArm(Path(p).name, p, args.pp, args.tg, exact) for p in args.int4]
-    arms += [TorchArm(Path(p).name + "+int8", p, args.pp, args.tg, int8) for p in args.int4 if args.int8]
+    arms = [TorchArm(Path(p).name, p, args.pp, args.tg, exact, args.depth) for p in args.int4]
+    arms += [TorchArm(Path(p).name + "+int8", p, args.pp, args.tg, int8, args.depth) for p in args.int4 if args.int8]
     if args.bf16:
-        arms.append(TorchArm("bf16", args.bf16, args.pp, args.tg))
+        arms.append(TorchArm("bf16", args.bf16, args.pp, args.tg, depth=args.depth))
     if not args.no_python_llama:
-        arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads) for label, path in ggufs]
+        arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads, args.depth) for label, path in ggufs]
     builds = [tuple(b.split("=", 1)) for b in args.llama_bench]
-    arms += [LlamaBenchArm(f"{label}@{build}", binary, path, args.threads) for build, binary in builds
-             for label, path in ggufs]
+    flags = {label: tuple(shlex.split(text)) for label, text in (f.split("=", 1) for f in args.bench_flags)}
+    arms += [LlamaBenchArm(f"{label}@{build}", binary, path, args.threads, flags.get(build, ()), args.depth)
+             for build, binary in builds for label, path in ggufs]
     for arm in arms:  # warm-up
         arm.pp(min(args.pp, 32) or 1)
         arm.tg(4)
@@ -227,7 +249,7 @@ def main() -> None:
             results[arm.label]["tg"].append(arm.tg(args.tg))
             print(f"rep {rep + 1}/{args.reps} {arm.label}: pp {results[arm.label]['pp'][-1] if args.pp else 0:.1f} "
                   f"tg {results[arm.label]['tg'][-1]:.1f} tok/s", file=sys.stderr)
-    report = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
+    report = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "depth": args.depth, "reps": args.reps,
               "torch": torch.__version__, "arms": {}}
     for arm in arms:
         r = results[arm.label]

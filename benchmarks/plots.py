@@ -6,7 +6,8 @@
 
 Each input is optional; each one given makes its PNG: ``gguf_kld.png`` (mean KLD against bits per
 weight, one marker per quantizer, from bench_gguf.py), ``speed.png`` (prefill and decode tok/s per
-engine, from bench_vs_llamacpp.py), ``gptq_phases.png`` (GPTQ's time per phase, from bench_gptq.py).
+engine, from bench_vs_llamacpp.py), ``gptq_phases.png`` (GPTQ's time per phase, from bench_gptq.py), ``decode_depth.png`` (decode
+tok/s against context depth per arm, from one bench_vs_llamacpp.py --json file per depth).
 """
 
 from __future__ import annotations
@@ -86,11 +87,31 @@ def plot_gptq(result: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_depth(reports: list[dict], out: Path, title: str) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for report in reports:
+        for label, arm in report["arms"].items():
+            series.setdefault(f"{label} ({arm['kind']})", []).append((report.get("depth", 0), arm["tg_median"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(series.items()):
+        points.sort()
+        ax.plot([d for d, _ in points], [t for _, t in points], marker="o", label=name)
+    ax.set_xlabel("context depth (tokens before the decode steps)")
+    ax.set_ylabel("decode tok/s (median)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="bench_gguf.py --json output")
     ap.add_argument("--speed", type=Path, help="bench_vs_llamacpp.py --json output")
     ap.add_argument("--gptq", type=Path, help="bench_gptq.py --json output")
+    ap.add_argument("--depth-series", type=Path, nargs="+", help="bench_vs_llamacpp.py --json outputs, one per --depth")
     ap.add_argument("--model", default="SmolLM2-135M", help="the model's name for the titles")
     ap.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
     args = ap.parse_args()
@@ -101,6 +122,9 @@ def main() -> None:
         plot_speed(json.loads(args.speed.read_text()), args.out / "speed.png", f"{args.model}: int4q and llama.cpp")
     if args.gptq:
         plot_gptq(json.loads(args.gptq.read_text()), args.out / "gptq_phases.png", f"{args.model} GPTQ")
+    if args.depth_series:
+        plot_depth([json.loads(p.read_text()) for p in args.depth_series], args.out / "decode_depth.png",
+                   f"{args.model}: decode at depth")
     for png in sorted(args.out.glob("*.png")):
         print(png)
 
