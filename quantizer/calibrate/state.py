@@ -98,8 +98,8 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
         return fresh
     restart = "rerun without --resume to start over"
     if not matches_digest(path):
-        raise BadResumeState(f"{path} was changed after int4q wrote it (it does not match its recorded sha256); "
-                             f"{restart}")
+        raise BadResumeState(f"{path} was changed after int4q wrote it (it does not match its recorded sha256, or "
+                             f"an older int4q recorded none); {restart}")
     try:
         state = json.loads(path.read_text())
         done = int(state["layers_done"])
