@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 
 import click
 
@@ -37,7 +38,8 @@ class Steps:
                             leave=True)
         elif enabled:
             self._line("")
-            threading.Thread(target=self._heartbeat, name="int4q-progress", daemon=True).start()
+            threading.Thread(target=_heartbeat, args=(weakref.ref(self), self._stop), name="int4q-progress",
+                             daemon=True).start()
 
     def update(self, done: int, note: str = "") -> None:
         """``done`` units are finished (a running count); ``note`` says what the last one did."""
@@ -55,11 +57,12 @@ class Steps:
             self.last_line = time.perf_counter()
             click.echo(f"int4q: {self.label} {self._count()}{' ' + note if note else ''} ({self._rate()})", err=True)
 
-    def _heartbeat(self) -> None:
-        """A line whenever :attr:`interval` passes without one, until the step closes."""
-        while not self._stop.wait(max(self.interval - (time.perf_counter() - self.last_line), 0.05)):
-            if time.perf_counter() - self.last_line >= self.interval and self.done < self.total:
-                self._line(f"running for {time.perf_counter() - self.started:.0f} s")
+    def beat(self) -> float:
+        """A line if :attr:`interval` passed without one; the seconds until the next one is due."""
+        now = time.perf_counter()
+        if now - self.last_line >= self.interval and self.done < self.total:
+            self._line(f"running for {now - self.started:.0f} s")
+        return max(self.interval - (time.perf_counter() - self.last_line), 0.05)
 
     def _count(self) -> str:
         if self.unit == "B":
@@ -83,6 +86,17 @@ class Steps:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _heartbeat(step: "weakref.ref[Steps]", stop: threading.Event) -> None:
+    """The step's lines while it runs; ends when it closes or is forgotten unclosed."""
+    wait = 0.05
+    while not stop.wait(wait):
+        steps = step()
+        if steps is None:
+            return
+        wait = steps.beat()
+        del steps
 
 
 class StepReporter:

@@ -26,6 +26,7 @@ def test_slow_steps_show_seconds_per_step(capsys):
     steps = Steps("layer", 3, unit="layer")
     steps.started -= 120  # as if the first layer took two minutes
     steps.update(1)
+    steps.close()
     assert "(120.0 s/layer, ETA 240 s)" in capsys.readouterr().err
 
 
@@ -50,6 +51,17 @@ def test_a_long_unit_gets_a_line_every_interval_with_how_long_it_has_run(capsys)
     assert lines[0] == "int4q: layer 0/2 (starting)" and lines[-1].startswith("int4q: layer 1/2 (")
     beats = [line for line in lines if "running for" in line]
     assert 2 <= len(beats) <= 6 and beats[0].startswith("int4q: layer 0/2 running for ")
+
+
+def test_a_step_forgotten_unclosed_stops_its_lines(capsys):
+    import gc
+
+    steps = Steps("layer", 2, unit="layer", interval=0.05)
+    del steps
+    gc.collect()
+    capsys.readouterr()
+    time.sleep(0.2)
+    assert capsys.readouterr().err == ""
 
 
 def test_disabled_progress_prints_nothing(capsys):
