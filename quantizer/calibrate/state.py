@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..integrity import changed_files, digest_path, matches_digest, record_digest
-from ..io.shards import file_specs, write_safetensors
+from ..io.shards import write_safetensors
 from .ranks import SINGLE, Ranks
 
 log = logging.getLogger(__name__)
@@ -107,31 +107,31 @@ def load_state(state_dir: Path, fp: str, resume: bool, ranks: Ranks = SINGLE) ->
         raise BadResumeState(f"{path} is corrupt; {restart}") from None
     if state.get("fingerprint") != fp:
         raise BadResumeState(f"the interrupted run was made with different inputs or settings; {restart}")
-    needed = [f(state_dir, i) for i in range(done) for f in (layer_file, importance_file)]
-    needed += [hidden_file(state_dir, done, ranks)] if done else []
+    layers = [f(state_dir, i) for i in range(done) for f in (layer_file, importance_file)]
+    needed = layers + ([hidden_file(state_dir, done, ranks)] if done else [])
     missing = [p.name for p in needed if not p.is_file()]
     if missing:
         raise BadResumeState(f"the saved state in {state_dir} is incomplete (no {missing[0]}); {restart}")
-    changed = changed_files(needed)  # every file now, not when the output is written after the remaining layers
+    # every file now, not when the output is written after the remaining layers; the hidden states
+    # are checked where each rank reads its own (load_hidden), before any layer runs
+    changed = changed_files(layers)
     if changed:
         raise BadResumeState(f"the saved state in {state_dir} was changed after int4q wrote it ({changed[0].name} "
                              f"does not match its recorded sha256); {restart}")
-    for saved in needed:
-        try:
-            file_specs(saved)
-        except InputError as e:
-            raise BadResumeState(f"the saved state in {state_dir} is damaged ({e}); {restart}") from None
     return state
 
 
 def load_hidden(state_dir: Path, layers_done: int, ranks: Ranks) -> torch.Tensor:
     """This rank's saved hidden states; every rank raises the same error when any rank lacks its own."""
     path = hidden_file(state_dir, layers_done, ranks)
-    missing = ranks.sum_(torch.tensor([0.0 if matches_digest(path) else 1.0]))
+    intact = matches_digest(path)
+    missing = ranks.sum_(torch.tensor([0.0 if intact else 1.0]))
     if missing.item():
-        raise BadResumeState(f"the saved state of a distributed run is incomplete ({int(missing.item())} rank(s) lack "
-                             f"their hidden states after layer {layers_done}, or hold changed ones); resume with the "
-                             "same processes on the same machines, or rerun without --resume to start over")
+        mine = "intact" if intact else "missing, or changed after int4q wrote it"
+        raise BadResumeState(f"the saved state in {state_dir} is incomplete or was changed after int4q wrote it: "
+                             f"{int(missing.item())} rank(s) lack their hidden states after layer {layers_done} or "
+                             f"hold changed ones (this rank's {path.name}: {mine}); resume with the same processes on "
+                             "the same machines, or rerun without --resume to start over")
     return read_safetensors(path)["hidden"]
 
 
