@@ -78,24 +78,15 @@ def check_round_trip(info: StructureInfo, source_dir: Path,
             continue
         read = _read_module(info, module, result)
         w = structure.as_linear(module, source.get(src_name)).float()
-        problem = None if read is None else _non_finite(module, w, read[0])
-        if problem:
-            result.fail(problem)
+        bad = int((~torch.isfinite(w)).sum())  # the stored scales and zeros: check_structure, which runs first
+        if bad:
+            result.fail(f"{module}: the source weight holds {bad} NaN or infinite values")
         elif read is not None:
             check = _check_8bit if len(read[0]) == 2 else _check_4bit
             stat = check(module, w, read, info.qconfig, result)
             if stat is not None:
                 stats.append(stat)
     return result, stats
-
-
-def _non_finite(module: str, w: torch.Tensor, stored: tuple[torch.Tensor, ...]) -> str | None:
-    """What is NaN or infinite in a module's source weight or its stored float tensors, if anything."""
-    bad = int((~torch.isfinite(w)).sum())
-    if bad:
-        return f"{module}: the source weight holds {bad} NaN or infinite values"
-    bad = sum(int((~torch.isfinite(t.float())).sum()) for t in stored if t.is_floating_point())
-    return f"{module}: its stored scales or zeros hold {bad} NaN or infinite values" if bad else None
 
 
 def _check_copied(reader, quantized: set[str], source, source_dir: Path, result: CheckResult) -> None:
