@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_tiny_llama
+from conftest import assert_llama_cpp_generates, save_tiny_llama
 from test_gguf import (
-    assert_llama_cpp_generates,
     assert_verify_passes,
     needs_llama_cpp,
     quantize,
