@@ -174,8 +174,21 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
         f"{s.source_bytes / 1e6:.1f} MB -> {s.output_bytes / 1e6:.1f} MB in "
         f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mb():.0f} MiB -> {out}"
     )
+    if s.source_grids:
+        click.echo(source_grids_line(report))
     if imatrix_out:
         click.echo(f"the calibration's importance matrix, for llama-quantize --imatrix -> {imatrix_out}")
+
+
+def source_grids_line(report) -> str:
+    """One line on what became of a quantized source's grids, with the largest error against its
+    values of a module that did not carry over exactly."""
+    counts = report.summary.source_grids
+    inexact = [e["max_abs_err"] for e in report.tensors.values() if e.get("source_grid") in ("nearest", "rounded")]
+    worst = f"; largest error of the others against the source's values {max(inexact):.3g}" if inexact else ""
+    return (f"the source's grids: of its {sum(counts.values())} quantized modules {counts['exact']} carried over "
+            f"exactly, {counts['nearest']} to the nearest stored scale and zero, {counts['rounded']} rounded again"
+            f"{worst} (per module in the report)")
 
 
 class _ShownProgress:

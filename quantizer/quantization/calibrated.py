@@ -29,8 +29,8 @@ def run_calibrated(plan: QuantizationPlan, out_dir: Path, tokenizer, calib_text:
     method = info.make(method_settings)
     s = windows_settings.resolved(info.default_nsamples)
     q = dataclasses.replace(plan.qconfig, calibration={
-        "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed, "precision": s.precision,
-        **method.calibration_record()})
+        **plan.qconfig.calibration, "text": calib_origin, "nsamples": s.nsamples, "seqlen": s.seqlen, "seed": s.seed,
+        "precision": s.precision, **method.calibration_record()})
     plan = dataclasses.replace(plan, qconfig=q)
     windows, fp = None, None
     if ranks.is_main:

@@ -47,6 +47,7 @@ from ..methods.gptq import NotPositiveDefinite
 from ..methods.grid import GroupQuantized
 from ..schema.methods import UNCALIBRATED
 from ..schema.scheme import ModuleScheme
+from .carried import quantize_from_source
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
 from .streamed import quantize_module, refuse_non_finite
@@ -187,7 +188,8 @@ def _solve(plan, method, module: str, weight: torch.Tensor, stats, scheme: Modul
     damping repairs becomes one line naming the module and the knobs that help."""
     refuse_non_finite(plan, module, weight)
     try:
-        return method.quantize(weight, stats, scheme, plan.storage_of(module))
+        return quantize_from_source(plan, module, weight,
+                                    lambda: method.quantize(weight, stats, scheme, plan.storage_of(module)))
     except NotPositiveDefinite as e:
         raise InputError(f"GPTQ cannot solve {module}: its Hessian is not positive definite even at damp "
                          f"{e.damp:.3g}; raise --damp, or give more calibration text (--nsamples, --calib)") from None

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..formats import RUNTIME_FORMAT, CheckpointFormat, SourceModel, get_format
+from ..formats.sources import QuantizedCheckpoint, SourceScheme, float_config, open_quantized
 from ..io.checkpoint import CheckpointReader, TensorInfo, read_config
 from ..io.shards import TensorSpec
 from ..io.structure import (
@@ -25,7 +26,8 @@ from ..io.structure import (
     inspect_structure,
 )
 from ..methods.grid import Storage
-from ..schema.config import QuantizationConfig, matches_ignore
+from ..methods.transfer import SourceGrid
+from ..schema.config import SOURCE_GRIDS, QuantizationConfig, matches_ignore
 from ..schema.methods import UNCALIBRATED
 from ..schema.scheme import ModuleScheme
 from .precision import implied_options, separate_head_ok
@@ -95,6 +97,16 @@ class QuantizationPlan:
     def scheme_of(self, module: str) -> ModuleScheme:
         return self.qconfig.scheme_for(module)
 
+    @property
+    def source_quantized(self) -> bool:
+        """Whether the source is a quantized checkpoint read as the float model it stands for."""
+        return isinstance(self.reader, QuantizedCheckpoint)
+
+    def source_grid(self, module: str) -> SourceGrid | None:
+        """The grid a quantized source stores ``module``'s weight on; None for a float source and
+        for a module the source keeps in float."""
+        return self.reader.grid(self.targets[module]) if self.source_quantized else None
+
     def output_config(self) -> dict:
         cfg = copy.deepcopy(self.source_config)
         head = self.structure.head
@@ -147,10 +159,12 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     """Check the checkpoint and the options against each other; raise InputError on any problem."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
-    if "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method", "unknown")
-        raise InputError(f"{model_dir} is already quantized ({method}); start from a bf16/fp16/fp32 checkpoint")
-    reader = CheckpointReader(model_dir)
+    quantized = open_quantized(model_dir, config)
+    notes = []
+    if quantized is not None:
+        config = float_config(config)
+        options, notes = source_defaults(options, quantized.scheme)
+    reader = quantized or CheckpointReader(model_dir)
     check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
     structure = inspect_structure(config)
     infos = reader.infos
@@ -161,7 +175,8 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     _check_overrides_match(options.overrides, structure)
     fmt = options.output_format
     options = _format_group(options, fmt)
-    options, notes = implied_options(options, structure, separate_head_ok(fmt, model_dir, config))
+    options, implied = implied_options(options, structure, separate_head_ok(fmt, model_dir, config))
+    notes += implied
     targets, dropped, tied_output = _choose_targets(structure, infos, options)
     _check_dtypes_and_shapes(targets, infos)
     base_bits = {m: _base_bits(m, structure, options, config) for m in targets}
@@ -192,10 +207,28 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         method=options.method,
         symmetric=options.symmetric,
         clip_search=options.clip_search,
+        calibration={SOURCE_GRIDS: quantized.scheme.title} if quantized is not None else {},
         modules={m: scheme.to_dict() for m, scheme in schemes.items() if scheme != default},
     )
     return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
                             tied_output, notes=tuple(notes), fallbacks=fallbacks)
+
+
+def source_defaults(options: QuantizeOptions, scheme: SourceScheme) -> tuple[QuantizeOptions, list[str]]:
+    """A quantized source's grid and group size become the run's where the user chose none and the
+    output can hold them, so its codes can carry over; a note says so."""
+    fmt = options.output_format
+    changes = {}
+    if options.symmetric is None and options.gguf_type is None:
+        changes["symmetric"] = scheme.symmetric
+    if options.group_size is None and scheme.group_size in fmt.group_sizes:
+        changes["group_size"] = scheme.group_size
+    if not changes:
+        return options, []
+    said = " and ".join(("a symmetric grid" if v else "an asymmetric grid") if k == "symmetric" else f"group size {v}"
+                        for k, v in changes.items())
+    return dataclasses.replace(options, **changes), [f"the source is {scheme.title}: the output takes {said} from it "
+                                                     "so its codes can carry over"]
 
 
 def _check_one_group(schemes: dict[str, ModuleScheme], group: int, k_dims: dict[str, int],

@@ -39,6 +39,7 @@ class Summary:
     output_bytes: int
     seconds: float = 0.0
     peak_rss_mb: int = 0
+    source_grids: dict[str, int] | None = None  # a quantized source's: modules carried exact, nearest, rounded
     damping_retries: int | None = None  # the calibrated runs' own figures from here on
     world_size: int | None = None
     windows_per_rank: list[int] | None = None
@@ -51,7 +52,7 @@ class Summary:
 
 
 _ALWAYS_WRITTEN = {f.name for f in dataclasses.fields(Summary)} - {
-    "damping_retries", "world_size", "windows_per_rank", "calibration_peak_rss_mb_per_rank"}
+    "source_grids", "damping_retries", "world_size", "windows_per_rank", "calibration_peak_rss_mb_per_rank"}
 
 
 @dataclass
@@ -92,9 +93,17 @@ def build_report(plan: QuantizationPlan, per_tensor: dict[str, dict], shards: li
         whole_model_bits_per_weight=round(8 * output_bytes / model_params, 4) if model_params else None,
         source_bytes=plan.reader.total_bytes,
         output_bytes=output_bytes,
+        source_grids=_source_grids(per_tensor) if plan.source_quantized else None,
     )
     return QuantizeReport(plan.source_name or str(plan.model_dir), plan.base_model, plan.qconfig.to_dict(), summary,
                           plan.options.recipe, plan.fallbacks, per_tensor)
+
+
+def _source_grids(per_tensor: dict[str, dict]) -> dict[str, int]:
+    """How many modules kept a quantized source's grid exactly, to the nearest stored values, or
+    were rounded again by the method (see quantization.carried)."""
+    kinds = [e.get("source_grid") for e in per_tensor.values()]
+    return {kind: kinds.count(kind) for kind in ("exact", "nearest", "rounded")}
 
 
 def finish_output(plan: QuantizationPlan, out_dir: Path, shards: list[Path], per_tensor: dict[str, dict],

@@ -15,6 +15,7 @@ from ..memory import release_free_memory
 from ..methods import UNCALIBRATED, get_method
 from ..methods.grid import ROW_CHUNK
 from ..methods.rtn import RtnSettings
+from .carried import quantize_from_source
 from .planning import QuantizationPlan
 from .report import finish_output, module_entry
 
@@ -36,7 +37,8 @@ def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -
     weight = plan.linear_weight(module, weight)
     refuse_non_finite(plan, module, weight)
     method = get_method(UNCALIBRATED).make(RtnSettings(plan.qconfig.clip_search))
-    q, stats = method.quantize(weight, None, plan.scheme_of(module), plan.storage_of(module))
+    q, stats = quantize_from_source(plan, module, weight, lambda: method.quantize(
+        weight, None, plan.scheme_of(module), plan.storage_of(module)))
     tensors = plan.format.tensors(module, q, plan.scheme_of(module))
     return tensors, module_entry(plan.targets[module], weight.shape, tensors, stats)
 

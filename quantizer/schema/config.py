@@ -22,6 +22,12 @@ def matches_ignore(module_name: str, patterns) -> bool:
     return any(module_name == p or module_name.endswith("." + p) for p in patterns)
 
 
+SOURCE_GRIDS = "source_grids"
+"""The ``calibration`` key of a checkpoint quantized from an already-quantized one: the source's
+layout, whose grids (its producer's, which may clip a group and need not hold the codes nearest to
+the float weights) the output carries where it can."""
+
+
 @dataclass(frozen=True)
 class QuantizationConfig:
     """What a cpu_int4 checkpoint holds and how the runtime should run it.

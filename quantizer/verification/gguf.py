@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..methods.error_stats import ErrorStats
+from ..schema.config import SOURCE_GRIDS
 from ..schema.methods import get_method
 from .structure import CheckResult
 from .tensors import TensorStats
@@ -107,11 +108,13 @@ def _nearest_excess(stored, source: torch.Tensor, kind) -> float:
 
 def check_round_trip(reader, expected: dict, qconfig: dict, source_embedding) -> tuple[CheckResult, list[TensorStats]]:
     """Kept tensors bit-equal to the converter's; each quantized one against the converted source
-    (round-to-nearest methods: every element on its block grid's nearest point)."""
+    (round-to-nearest methods: every element on its block grid's nearest point, unless the grids
+    were carried from a quantized source, whose producer chose its codes)."""
     from ..formats.gguf.blocks import TYPES, decode
 
     result, stats = CheckResult("round trip"), []
-    nearest = get_method(qconfig.get("method", "minmax")).nearest_codes
+    carried = bool((qconfig.get("calibration") or {}).get(SOURCE_GRIDS))
+    nearest = get_method(qconfig.get("method", "minmax")).nearest_codes and not carried
     for t in reader.tensors:
         want = expected.get(t.name) or (source_embedding if t.name == "output.weight" else None)
         if want is None:

@@ -28,6 +28,7 @@ from ..methods.grid import (
 )
 from ..runtime.kernels.dequant import dequantize_int4pack
 from ..runtime.kernels.gemv_rows import decode_matmul
+from ..schema.config import SOURCE_GRIDS
 from ..schema.methods import get_method
 from .structure import FORMAT, CheckResult, StructureInfo
 
@@ -47,6 +48,12 @@ def searched_grids(q) -> bool:
     return get_method(q.method).searched_grids(q.calibration)
 
 
+def carried_grids(q) -> bool:
+    """Whether the grids came from an already-quantized source: its producer's, which may clip a
+    group and need not hold the codes nearest to the float weights."""
+    return bool(q.calibration.get(SOURCE_GRIDS))
+
+
 @dataclass
 class TensorStats:
     module: str
@@ -62,7 +69,8 @@ def check_round_trip(info: StructureInfo, source_dir: Path,
     Round-to-nearest (plain or weighted) must land every element on the nearest point of its
     group's grid (so the error is at most half a step inside the grid's range); GPTQ chooses codes
     with error feedback, so for its 4-bit modules only the statistics are reported. Min/max grids
-    must cover their group's range; searched grids (weighted) may clip it. 8-bit modules are
+    must cover their group's range; searched grids (weighted) and grids carried from a quantized
+    source (its producer's) may clip it, and carried codes need not be nearest. 8-bit modules are
     always round-to-nearest on a covering grid. ``structure`` is the source's.
     """
     result, stats = CheckResult("round trip"), []
@@ -119,11 +127,11 @@ def _check_4bit(module: str, w: torch.Tensor, read, q, result: CheckResult) -> T
     err_stats = ErrorStats()
     err_stats.add(w, deq)
     excess = _excess_over_nearest(w, deq, scale, zero, group)
-    if get_method(q.method).nearest_codes and excess > 0:
+    if get_method(q.method).nearest_codes and not carried_grids(q) and excess > 0:
         result.fail(f"{module}: an element is {excess:.3g} further from the source than the nearest point of "
                     "its group's grid (corrupt codes, scales or zeros)")
     uncovered = _uncovered_range(w, scale, zero, group, CLIP_SHRINKS[-1] if q.clip_search else 1.0)
-    if not searched_grids(q) and uncovered > 0:
+    if not searched_grids(q) and not carried_grids(q) and uncovered > 0:
         result.fail(f"{module}: a group's grid misses {uncovered:.3g} of the source's range (corrupt scales or "
                     "zeros)")
     return TensorStats(module, err_stats.as_dict()["snr_db"], err_stats.max_abs_err, excess)

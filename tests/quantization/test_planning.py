@@ -77,12 +77,16 @@ def test_integer_weight_is_refused(tmp_path):
         plan_quantization(d, QuantizeOptions())
 
 
-def test_already_quantized_input_is_refused(tmp_path, tiny_model):
+def test_a_quantized_checkpoint_plans_as_the_float_model_it_stands_for_with_its_grids(tmp_path, tiny_model):
     out = tmp_path / "q"
     out.mkdir()
-    run_quantization(plan_quantization(tiny_model, QuantizeOptions()), out)
-    with pytest.raises(InputError, match="already quantized"):
-        plan_quantization(out, QuantizeOptions())
+    run_quantization(plan_quantization(tiny_model, QuantizeOptions(group_size=32)), out)
+    plan = plan_quantization(out, QuantizeOptions())
+    module = "model.layers.0.mlp.down_proj"
+    assert plan.source_quantized and "quantization_config" not in plan.source_config
+    assert plan.targets[module] == f"{module}.weight" and plan.source_grid(module) is not None
+    assert plan.scheme_of(module).group_size == 32 and plan.notes[0].startswith("the source is int4q cpu_int4")
+    assert not plan_quantization(tiny_model, QuantizeOptions()).source_quantized
 
 
 def test_what_the_format_and_method_require_is_applied_with_a_note(tiny_model, tmp_path):

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from ...errors import InputError, UnsupportedError
+from ...io.checkpoint import read_config
+from ..sources import open_quantized
 
 ENV = "INT4Q_LLAMA_CPP"
 GGUF_MAGIC = b"GGUF"
@@ -129,10 +131,32 @@ def converter_for(model_dir: Path, config: dict, out_file: Path | None = None, c
     _, gguf = load()
     logging.getLogger("hf-to-gguf").setLevel(logging.ERROR)  # its notes are for its own CLI
     cls = cls or converter_class(config)
+    quantized = open_quantized(Path(model_dir), read_config(Path(model_dir)))
+    if quantized is not None:
+        cls = _reading_view(cls, quantized)
     try:
         return cls(Path(model_dir), gguf.LlamaFileType.GUESSED, Path(out_file or Path(model_dir) / "unused.gguf"), eager=False)
     except (KeyError, ValueError, NotImplementedError) as e:
         raise UnsupportedError(f"llama.cpp's converter cannot convert {model_dir}: {e}") from None
+
+
+def _reading_view(base_cls, view):
+    """The converter's class reading a quantized source as int4q's float view of it (the
+    converter's own dequantization covers fewer layouts, and int4q's blocks replace those
+    weights anyway)."""
+
+    class Int4qFloatView(base_cls):
+        model_arch = base_cls.model_arch
+
+        def dequant_model(self):
+            for name in view.consumed:
+                self.model_tensors.pop(name, None)
+            for name in view.infos:
+                if name not in view.raw.infos and name not in self.model_tensors:
+                    self.model_tensors[name] = lambda name=name: view.get(name)
+
+    Int4qFloatView.__name__ = base_cls.__name__
+    return Int4qFloatView
 
 
 def preflight(model_dir: Path, config: dict) -> bool:
