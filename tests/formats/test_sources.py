@@ -157,6 +157,25 @@ def test_a_bf16_scaled_source_becomes_cpu_int4_exactly_and_verifies_against_the_
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("name,kind", [("gptq", "nearest"), ("gptq-asym-g32", "nearest"), ("awq", "nearest"),
+                                       ("compressed-tensors-asym", "nearest"), ("gptq_v2-act-order", "rounded")])
+def test_every_layout_becomes_cpu_int4_and_says_what_became_of_each_grid(sources, name, kind, tmp_path):
+    said = quantize(sources[name], tmp_path / "cpu")
+    report = json.loads((tmp_path / "cpu" / "quantization_report.json").read_text())
+    kinds = {e["source_grid"] for m, e in report["tensors"].items() if m != "model.embed_tokens"}
+    assert kinds == {kind}, said  # fp16 scales, or zeros that are not bf16 values, round to the nearest bf16
+
+
+def test_a_symmetric_gptq_checkpoint_is_its_own_gptq_export(sources, tmp_path):
+    from safetensors.torch import load_file
+
+    quantize(sources["gptq"], tmp_path / "gptq", "--format", "gptq")
+    mine, theirs = load_file(tmp_path / "gptq" / "model.safetensors"), load_file(sources["gptq"] / "model.safetensors")
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        name = f"model.layers.1.mlp.down_proj.{suffix}"
+        assert torch.equal(mine[name], theirs[name]), name
+
+
 def test_a_cpu_int4_checkpoint_becomes_a_gguf_without_the_float_model(float_model, tmp_path):
     cpu = tmp_path / "cpu"
     quantize(float_model, cpu, "--sym", "--group-size", "32")
