@@ -292,3 +292,46 @@ def assert_llama_cpp_generates(path):
                           timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("The capital of France is") and len(done.stdout) > len("The capital of France is")
+
+
+def on_gguf_grid(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A weight [rows, cols] fp32 decoded from random ``kind`` blocks with sane scales (positive
+    steps where llama.cpp's are, as its quantizers write them)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from quantizer.formats.gguf.blocks import TYPES
+
+    rng = np.random.default_rng(seed)
+    t = TYPES[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // t.weights, t.nbytes), dtype=np.uint8)
+
+    def fp16(at: int, lo: float, hi: float) -> None:
+        raw[..., at:at + 2] = rng.uniform(lo, hi, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(
+            *raw.shape[:2], 2)
+
+    if kind in ("Q4_0", "Q5_0"):
+        fp16(0, -0.02, 0.02)
+    elif kind in ("Q4_1", "Q5_1"):
+        fp16(0, 1e-3, 0.02)
+        fp16(2, -0.2, 0.0)
+    elif kind in ("Q4_K", "Q5_K"):
+        fp16(0, 1e-4, 1e-3)
+        fp16(2, 1e-4, 1e-3)
+    else:
+        fp16(208, 1e-5, 1e-4)
+    values = quants.dequantize(raw.reshape(rows, -1), getattr(GGMLQuantizationType, kind))
+    return torch.from_numpy(np.ascontiguousarray(values)).float()
+
+
+def same_rows(a, b) -> bool:
+    """Whether two 2-D float arrays hold the same rows, value for value (a zero's sign aside: a
+    symmetric block's scale may take either sign), in any order (llama.cpp's converter reorders
+    some weights' rows: Llama's q and k heads)."""
+    import numpy as np
+
+    def ordered(x):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return x[np.lexsort(x.T[::-1])]
+
+    return a.shape == b.shape and np.array_equal(ordered(a), ordered(b))

@@ -31,6 +31,7 @@ from .grid import (
     row_chunks,
     weighted_grid_search,
 )
+from .recovery import with_recovered
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     def params_of(cols: torch.Tensor, first: int):
         """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``."""
         if weights is None:
-            return grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage)
+            return with_recovered(cols, *grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage), storage,
+                                  symmetric)
         w = weights[first:first + cols.shape[1] * group_size].reshape(cols.shape[1], group_size)
         return weighted_grid_search(cols, w, symmetric, storage)[:2]
 

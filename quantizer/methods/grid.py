@@ -28,6 +28,7 @@ import torch
 
 from .candidates import ERROR, WU, WUG, WUU, grid_scores
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
+from .recovery import with_recovered
 from .superblock import superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -36,7 +37,9 @@ SEARCH_CHUNK = 1 << 19
 (on a [8960, 1536] weight, ten times faster than one pass over all rows); rows are independent,
 so the result is the same."""
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
-WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist()
+WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist() + [1.01, 1.02, 1.03, 1.04]
+"""The weighted search's range factors: shrunk (clipping the extremes) and widened a little (the
+extremes on inner codes), as llama.cpp's own searches try steps on both sides."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,8 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     With ``clip_search`` each group's range is shrunk towards its centre (symmetric: towards 0)
     by the factor in ``CLIP_SHRINKS`` that minimises that group's squared error. With
     ``column_weights`` [K] (each input column's mean squared activation) each group's grid is
-    the one of :func:`weighted_grid_search`.
+    the one of :func:`weighted_grid_search`, as it always is for a K-quant super-block storage
+    (with equal weights where none are given: llama.cpp searches those grids too).
     """
     chunks = row_chunks(w.shape[0], w.shape[1])
     if len(chunks) > 1:
@@ -175,13 +179,10 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
                                                       column_weights) for rows in chunks])
     g = _grouped(w, group_size)
     bits = storage.bits
-    if storage.superblock:
-        free = quantize_groupwise(w, group_size, symmetric, clip_search, storage.for_row(g.shape[1]), column_weights)
-        if not storage.couples(g.shape[1]):
-            return free
-        weights = None if column_weights is None else column_weights.reshape(g.shape[1:])
-        scale, zero = superblock_grids(free.scale, free.zero, storage, symmetric, g, weights)
-        return GroupQuantized(round_to_grid(g, scale, zero, bits).reshape(w.shape), scale, zero, bits)
+    if storage.superblock and not storage.couples(g.shape[1]):
+        return quantize_groupwise(w, group_size, symmetric, clip_search, storage.for_row(g.shape[1]), column_weights)
+    if storage.superblock and column_weights is None:  # K-quants search their grids, as llama.cpp's do
+        column_weights = torch.ones(w.shape[1], device=w.device)
     if column_weights is not None:
         scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, storage)
         return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
@@ -201,6 +202,7 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
             best_err = torch.where(better, err, best_err)
             scale = torch.where(better, s2, scale)
             zero = torch.where(better, z2, zero)
+    scale, zero = with_recovered(g, scale, zero, storage, symmetric)
     codes = round_to_grid(g, scale, zero, bits)
     return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
 
@@ -210,7 +212,7 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
     weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0.
 
-    Candidates: the min/max grid, each range shrunk by the factors of ``WEIGHTED_SHRINKS``, and for
+    Candidates: the min/max grid, each range scaled by the factors of ``WEIGHTED_SHRINKS``, and for
     each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a
     candidate, so the result is never worse than it on this objective (before a super-block
     storage rounds the winner's scale and minimum).
@@ -224,7 +226,8 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
         scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage.for_row(g.shape[1]))
         if not storage.couples(g.shape[1]):
             return scale, zero, codes
-        scale, zero = superblock_grids(scale, zero, storage, symmetric, g, weights)
+        scale, zero = with_recovered(g, *superblock_grids(scale, zero, storage, symmetric, g, weights), storage,
+                                     symmetric, weights)
         return scale, zero, round_to_grid(g, scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
@@ -240,6 +243,7 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
+    scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
     return scale, zero, round_to_grid(g, scale, zero, bits)
 
 

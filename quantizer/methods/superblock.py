@@ -78,3 +78,24 @@ def _signed_levels(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))
     unit = (-top / -SIGNED_LEVELS[0]).to(torch.float16).to(torch.float64)
     return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).clamp_(*SIGNED_LEVELS)
+
+
+def fp16_units(values: torch.Tensor, levels: tuple[int, int], tolerance: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """values [..., B] (fp64, each an fp16 unit times an integer level in ``levels``) -> (the unit
+    [..., 1] fp64, the levels [..., B] int64, found [..., 1] bool): per row of B, an fp16 unit whose
+    integer multiples in ``levels`` are the values exactly (within ``tolerance`` of the row's
+    largest magnitude), where one exists (0 and levels 0 where all the values are 0). Any such unit
+    is as good as another: the products are what is stored."""
+    low, high = levels
+    top = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))
+    unit = torch.zeros_like(top)
+    found = top == 0
+    for top_level in sorted((lv for lv in range(low, high + 1) if lv), key=lambda lv: (-abs(lv), lv)):
+        if bool(found.all()):
+            break
+        u = (top / top_level).to(torch.float16).to(torch.float64)
+        got = torch.round(values / torch.where(u == 0, 1.0, u))
+        near = (got * u - values).abs() <= tolerance * top.abs()
+        ok = ~found & (u != 0) & ((got >= low) & (got <= high) & near).all(dim=-1, keepdim=True)
+        unit, found = torch.where(ok, u, unit), found | ok
+    return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).to(torch.int64), found

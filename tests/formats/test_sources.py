@@ -7,10 +7,9 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import CACHE, assert_llama_cpp_generates, save_tiny_llama
+from conftest import CACHE, assert_llama_cpp_generates, same_rows, save_tiny_llama
 from quantized_sources import CONFIGS, grid, write_quantized
 from test_gguf import needs_llama_cpp, run, with_tokenizer
 
@@ -101,9 +100,7 @@ def gguf_rows_equal_source(path: Path, source: Path) -> dict[str, bool]:
     for module, (name,) in names.items():
         t = tensors[name]
         got = gguf.quants.dequantize(t.data, t.tensor_type)
-        want = src.get(f"{module}.weight").numpy()
-        rows = [np.sort(a.view(np.dtype((np.void, a.shape[1] * 4))).ravel()) for a in (got, want)]
-        same[module] = bool(np.array_equal(*rows))
+        same[module] = same_rows(got, src.get(f"{module}.weight").numpy())
     return same
 
 

@@ -12,6 +12,7 @@ from quantizer.methods.grid import (
     Storage,
     quantize_groupwise,
     round_to_grid,
+    weighted_grid_search,
 )
 
 SIGNED = Storage(torch.float16, "integer", signed_scale=True)
@@ -193,8 +194,9 @@ def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_poi
         units = [(block.max() / top).to(torch.float16).to(torch.float64) for top in range(63, 0, -1)]
         assert block.max() == 0 or any(bool((block / u == (block / u).round()).all()) and (block / u).max() <= 63
                                        for u in units if u > 0)
-    got = quantize_groupwise(w, 32, storage=storage)
-    assert torch.equal(got.scale, scale) and torch.equal(got.zero, zero) and got.bits == bits
+    got = quantize_groupwise(w, 32, storage=storage)  # K-quant grids are searched, with equal weights
+    searched = weighted_grid_search(w.reshape(3, 8, 32), torch.ones(8, 32), False, storage)
+    assert torch.equal(got.scale, searched[0]) and torch.equal(got.zero, searched[1]) and got.bits == bits
     rel = (got.dequantize() - w).pow(2).sum() / w.pow(2).sum()
     assert rel < 0.02 / 4 ** (bits - 4)
     g = w.reshape(3, 8, 32)

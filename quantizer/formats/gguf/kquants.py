@@ -23,7 +23,7 @@ import torch
 
 from ...methods.codes import code_range
 from ...methods.grid import GroupQuantized
-from ...methods.superblock import SIGNED_LEVELS, SUPER_LEVELS
+from ...methods.superblock import SIGNED_LEVELS, SUPER_LEVELS, fp16_units
 from .types import SUPER
 
 
@@ -45,24 +45,12 @@ def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
 
 
 def _units(values: torch.Tensor, levels: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [..., B] (fp64, each an fp16 unit times an integer level in ``levels``) -> (the unit
-    [..., 1] as fp64, the levels [..., B] int64); ValueError where no fp16 unit gives them. Any
-    unit that reproduces the values exactly is as good as another: the products are what is stored."""
-    low, high = levels
-    top = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))
-    unit = torch.zeros_like(top)
-    found = top == 0
-    for top_level in sorted((lv for lv in range(low, high + 1) if lv), key=lambda lv: (-abs(lv), lv)):
-        if bool(found.all()):
-            break
-        u = (top / top_level).to(torch.float16).to(torch.float64)
-        got = torch.round(values / torch.where(u == 0, 1.0, u))
-        ok = ~found & (u != 0) & ((got >= low) & (got <= high) & (got * u == values)).all(dim=-1, keepdim=True)
-        unit, found = torch.where(ok, u, unit), found | ok
+    """:func:`~quantizer.methods.superblock.fp16_units`; ValueError where no fp16 unit gives them."""
+    unit, found_levels, found = fp16_units(values, levels)
     if not bool(found.all()):
         raise ValueError("the scales or minimums are not levels of an fp16 unit per super-block; quantize on the "
                          "K-quant's storage")
-    return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).to(torch.int64)
+    return unit, found_levels
 
 
 def _check(gq: GroupQuantized, group: int, bits: int, name: str) -> tuple[int, int]:
