@@ -27,7 +27,7 @@ from .codes import code_range
 from .recovered_units import NEAR, on_units
 
 SPANS = 4
-PROBE_ROWS = 64  # rows tried first: a weight whose probed groups mostly sit on no grid is not searched
+PROBE_ROWS = 8  # rows tried first: a weight whose probed groups mostly sit on no grid is not searched
 PROBE_SHARE = 0.5
 
 
