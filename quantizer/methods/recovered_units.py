@@ -25,11 +25,6 @@ def on_units(g: torch.Tensor, step: torch.Tensor, low: torch.Tensor, found: torc
     if not rows[0].numel():
         return step, low, block_found.repeat_interleave(per_block, dim=1)
     step, low = step.reshape(shape).clone(), low.reshape(shape).clone()
-    if slack > NEAR:  # near grids: the units as llama.cpp sets them, then the levels rounded
-        blocks = None if symmetric else g.reshape(*shape, -1)[rows].to(torch.float64)
-        step[rows], low[rows], ok = _llama_units(step[rows], None if symmetric else blocks.amin(-1), bits)
-        block_found[rows] = ok.squeeze(-1)
-        return step.reshape(n, groups), low.reshape(n, groups), block_found.repeat_interleave(per_block, dim=1)
     if symmetric:  # a group's sign is free where its codes allow; only -128 has no positive twin
         s_unit, s_levels, ok = fp16_units(step[rows].abs(), (0, -SIGNED_LEVELS[0]), slack)
         sign = torch.where(s_levels == -SIGNED_LEVELS[0], -1.0, torch.sign(step[rows]))
@@ -43,29 +38,6 @@ def on_units(g: torch.Tensor, step: torch.Tensor, low: torch.Tensor, found: torc
         ok = ok & m_ok
     block_found[rows] = ok.squeeze(-1)
     return step.reshape(n, groups), low.reshape(n, groups), block_found.repeat_interleave(per_block, dim=1)
-
-
-def _llama_units(step: torch.Tensor, lo: torch.Tensor | None, bits: int):
-    """Near grids' steps (and, with each group's lowest value ``lo``, minimums) [B, per] snapped as
-    llama.cpp stores K-quants: the largest step at level 63 (symmetric: -128, by its signed largest
-    magnitude), the deepest minimum at 63, every other the nearest level; each group's minimum
-    taken at the code of its lowest value whose level is nearest. -> (step, low, found [B, 1])."""
-    if lo is None:
-        top = step.gather(-1, step.abs().argmax(-1, keepdim=True))
-        unit = (top / SIGNED_LEVELS[0]).to(torch.float16).to(torch.float64)
-        levels = torch.round(step / torch.where(unit == 0, 1.0, unit)).clamp(*SIGNED_LEVELS)
-        return unit * levels, torch.zeros_like(step), unit != 0
-    _, qmax = code_range(bits)
-    unit = (step.amax(-1, keepdim=True) / SUPER_LEVELS).to(torch.float16).to(torch.float64)
-    step = unit * torch.round(step / torch.where(unit == 0, 1.0, unit)).clamp(0, SUPER_LEVELS)
-    codes = torch.arange(qmax + 1, dtype=torch.float64, device=step.device)
-    depth = (codes * step.unsqueeze(-1) - lo.unsqueeze(-1)).clamp(min=0)  # -low if the lowest value has code c
-    m_unit = (depth[..., 0].amax(-1, keepdim=True) / SUPER_LEVELS).to(torch.float16).to(torch.float64)
-    safe = torch.where(m_unit == 0, 1.0, m_unit).unsqueeze(-1)
-    m = torch.round(depth / safe).clamp(0, SUPER_LEVELS)
-    c = (m * safe - depth).abs().argmin(-1, keepdim=True)
-    low = -(m.gather(-1, c).squeeze(-1) * m_unit)
-    return step, low, (unit != 0) | (m_unit != 0)
 
 
 def _minimum_units(step: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, near: float):
