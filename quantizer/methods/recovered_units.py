@@ -45,7 +45,8 @@ def _minimum_units(step: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits:
     values), the groups' lowest grid points ``-unit * m`` (m in 0..63, one fp16 unit per
     super-block) with each group's values on its codes: the lowest value's code c is not known, so
     each c the group's span allows is tried, and the unit is sought from the most negative group
-    (its lowest value at code 0, 1 or 2) over each level. -> (low [B, per] fp64, found [B, 1])."""
+    (its lowest value at each of the first :data:`LOWEST_CODES` codes) over each level.
+    -> (low [B, per] fp64, found [B, 1])."""
     _, qmax = code_range(bits)
     span = torch.round((hi - lo) / torch.where(step == 0, 1.0, step))
     codes = torch.arange(qmax + 1, dtype=torch.float64, device=step.device)
