@@ -20,7 +20,7 @@ def quantize(model: str | Path, out: str | Path, *, format: str = "cpu_int4", me
              nsamples: int | None = None, seqlen: int = 512, seed: int = 0, calib_precision: str = "auto",
              device: str = "cpu", act_order: bool = True, damp: float = 0.01, weighted_grids: bool = True,
              refine: bool = False, resume: bool = False, imatrix_out: str | Path | None = None,
-             progress=None):
+             target_bpw: float | None = None, progress=None):
     """Quantize the checkpoint ``model`` (a folder or a Hub repo id) into ``out`` (a folder; for
     ``format="gguf"`` the ``.gguf`` file) and return its :class:`QuantizeReport` (None on a torchrun
     rank other than 0). The options are ``int4q quantize``'s, by the same names with underscores
@@ -40,7 +40,7 @@ def quantize(model: str | Path, out: str | Path, *, format: str = "cpu_int4", me
         max_shard_bytes=max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size),
         method=method, checkpoint_format=format, recipe=recipe, embedding_bits=embedding_bits, head_bits=head_bits,
         overrides=tuple(Override.parse(o) for o in overrides), strict_group_size=strict_group_size,
-        gguf_type=gguf_type)
+        gguf_type=gguf_type, target_bpw=target_bpw)
     settings = GptqSettings(act_order=act_order, damp=damp, weighted_grids=weighted_grids, refine=refine) \
         if method == "gptq" else None
     windows = CalibrationSettings(nsamples, seqlen, seed, calibration_precision(calib_precision, device))

@@ -318,6 +318,10 @@ def on_gguf_grid(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     elif kind in ("Q4_K", "Q5_K"):
         fp16(0, 1e-4, 1e-3)
         fp16(2, 1e-4, 1e-3)
+    elif kind == "IQ4_NL":
+        fp16(0, -2e-4, 2e-4)
+    elif kind == "IQ4_XS":
+        fp16(0, -1e-5, 1e-5)
     else:
         fp16(208, 1e-5, 1e-4)
     values = quants.dequantize(raw.reshape(rows, -1), getattr(GGMLQuantizationType, kind))

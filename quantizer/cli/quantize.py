@@ -31,8 +31,8 @@ def _bits(value: str | None) -> int | None:
 
 
 SECTIONS = [
-    ("Input and output", ["model", "out", "checkpoint_format", "gguf_type", "overwrite", "max_shard_size", "base_model",
-                          "progress"]),
+    ("Input and output", ["model", "out", "checkpoint_format", "gguf_type", "target_bpw", "overwrite",
+                          "max_shard_size", "base_model", "progress"]),
     ("Precision and recipes", ["group_size", "strict_group_size", "recipe", "embedding_bits", "head_bits",
                                "overrides", "untie_head", "ignore", "symmetric", "clip_search", "keep_embedding"]),
     ("Method and calibration", ["method", "calib", "nsamples", "seqlen", "calib_precision", "seed", "device",
@@ -130,9 +130,15 @@ Examples:
               help="[gguf] llama.cpp's file type: q4_0 and q5_0 (symmetric; calibrated, the first eighth of ffn_down "
                    "Q4_1/Q5_1, as llama-quantize with an importance matrix), q4_1 (the default) and q5_1; q4_k, "
                    "q5_k, q6_k (every module in 256-weight super-blocks, like llama-quantize --pure); q4_k_m, q5_k_m "
-                   "(llama-quantize's mixtures: Q6_K for the head and for attn_v and ffn_down in its chosen layers). "
+                   "(llama-quantize's mixtures: Q6_K for the head and for attn_v and ffn_down in its chosen layers); "
+                   "iq4_nl, iq4_xs (4-bit codes on llama.cpp's non-linear table; its mixtures: Q6_K for the head, "
+                   "Q5_K for attn_v of grouped-query models and, uncalibrated, the first eighth of ffn_down). "
                    "Rows 256 does not divide fall back as llama-quantize does (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to "
-                   "Q8_0); 8-bit modules are Q8_0, kept ones as llama.cpp's converter writes them.")
+                   "Q8_0, IQ4_XS to IQ4_NL); 8-bit modules are Q8_0, kept ones as llama.cpp's converter writes them.")
+@click.option("--target-bpw", type=float, metavar="BITS",
+              help="[gguf] Choose each tensor's type (IQ4_XS, Q4_K, Q5_K, Q6_K, Q8_0, or their fallbacks) for this "
+                   "many bits per weight over the quantized tensors, with the least total relative error measured "
+                   "per type (every weight is read once more to measure it). Instead of --gguf-type.")
 @click.option("--imatrix-out", type=click.Path(path_type=Path, dir_okay=False),
               help="[gptq, weighted] Also write the calibration's per-column mean squared activations as llama.cpp's "
                    "importance-matrix file (.gguf, as llama-imatrix writes it), for llama-quantize --imatrix. "
@@ -140,7 +146,7 @@ Examples:
 def quantize(model, out, group_size, method, symmetric, clip_search, strict_group_size, recipe, embedding_bits,
              head_bits, overrides, keep_embedding, untie_head, ignore, max_shard_size, overwrite, base_model, progress,
              calib, nsamples, seqlen, calib_precision, act_order, damp, weighted_grids, refine, seed, resume, device,
-             checkpoint_format, gguf_type, imatrix_out):
+             checkpoint_format, gguf_type, target_bpw, imatrix_out):
     """Quantize a checkpoint into cpu_int4, a GPTQ/AWQ export or a GGUF file, streaming one tensor
     (calibrated methods: one layer) at a time."""
     from .. import api
@@ -156,6 +162,7 @@ def quantize(model, out, group_size, method, symmetric, clip_search, strict_grou
     try:
         report = api.quantize(
             model, out, format=checkpoint_format, method=method, group_size=group_size, gguf_type=gguf_type,
+            target_bpw=target_bpw,
             symmetric=symmetric, recipe=recipe, embedding_bits=_bits(embedding_bits), head_bits=_bits(head_bits),
             overrides=overrides, ignore=ignore, untie_head=untie_head, clip_search=clip_search,
             strict_group_size=strict_group_size, max_shard_size=max_shard_size, overwrite=overwrite,

@@ -247,10 +247,12 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
 
     def params_of(cols: torch.Tensor, first: int):
         """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``."""
-        if weights is None:
+        if weights is None and not storage.codebook:
             return with_recovered(cols, *grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage), storage,
                                   symmetric)
-        w = weights[first:first + cols.shape[1] * group_size].reshape(cols.shape[1], group_size)
+        shape = (cols.shape[1], group_size)
+        w = torch.ones(shape, device=W.device) if weights is None else \
+            weights[first:first + cols.shape[1] * group_size].reshape(shape)
         return weighted_grid_search(cols, w, symmetric, storage)[:2]
 
     stored = storage.exact_dtype
@@ -281,13 +283,14 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
                 s, z = params_of(cols.unsqueeze(1), a)
                 scale[:, group_of[a]], zero[:, group_of[a]] = s[:, 0], z[:, 0]
                 grid.set(range(group_of[a], group_of[a] + 1), s[:, 0], z[:, 0])
-            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits)
+            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits,
+                          storage.codebook)
         W[:, i2:].addmm_(Err1.t().contiguous(), U[i1:i2, i2:], alpha=-1)  # in place: no [n, K] temporary
         scaled_errors += Err1.square().sum(dtype=torch.float64)
     codes = codes.t().to(torch.uint8)
     if act_order:
         codes = codes[:, torch.argsort(perm)]
-    return GroupQuantized(codes, scale, zero, storage.bits), scaled_errors.item()
+    return GroupQuantized(codes, scale, zero, storage.bits, storage.codebook), scaled_errors.item()
 
 
 def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, factor: HessianFactor) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..native.checked import CheckedKernel
+from .codebook import level_table, round_to_levels
 from .codes import code_range
 
 
@@ -46,12 +47,28 @@ class ColumnGrids:
 
 
 def solve_columns(W1: torch.Tensor, U1: torch.Tensor, grids: tuple[torch.Tensor, ...], codes: torch.Tensor,
-                  err: torch.Tensor, first: int, last: int, bits: int = 4) -> None:
+                  err: torch.Tensor, first: int, last: int, bits: int = 4,
+                  levels: tuple[int, ...] | None = None) -> None:
     """Columns [first, last) of a block: W1 [b, n] fp32 (the block's columns as rows, updated in
     place), U1 [b, b] the factor's block (contiguous), ``grids`` from :meth:`ColumnGrids.block`; writes their
-    ``bits``-bit codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n]."""
+    ``bits``-bit codes (as fp32) into ``codes`` [b, n] and their scaled errors into ``err`` [b, n].
+    With ``levels`` the grids are that non-linear table's (zero 0), rounded in torch."""
+    if levels:
+        return codebook_columns(W1, U1, grids, codes, err, first, last, levels)
     kernel = KERNEL() if W1.device.type == "cpu" else torch_columns
     kernel(W1, U1, grids, codes, err, first, last, bits)
+
+
+def codebook_columns(W1, U1, grids, codes, err, first: int, last: int, levels: tuple[int, ...]) -> None:
+    """:func:`solve_columns` on a non-linear grid, one column at a time."""
+    scale = grids[0]
+    table = level_table(levels, W1.device)
+    for i in range(first, last):
+        w = W1[i]
+        q = round_to_levels(w.unsqueeze(-1), scale[i], levels).squeeze(-1)
+        codes[i] = q
+        e = torch.div(w - table[q.long()] * scale[i], U1[i, i], out=err[i])
+        W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e
 
 
 def torch_columns(W1, U1, grids, codes, err, first: int, last: int, bits: int = 4) -> None:

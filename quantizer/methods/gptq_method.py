@@ -64,7 +64,7 @@ class GptqMethod:
                                  damp=o.damp, block_size=o.block_size, storage=storage,
                                  weighted_grids=o.weighted_grids, factor=stats.factor(o.damp, o.act_order))
         loss = info.objective
-        if o.refine and scheme.symmetric and not storage.superblock:  # free scales: not K-quant levels
+        if o.refine and scheme.symmetric and not storage.superblock and not storage.codebook:  # linear, free scales
             gq, loss = refine_symmetric(weight, H, gq, storage)
         err, rtn_loss = _report(weight, gq, H, scheme, storage)
         return gq, {
@@ -79,7 +79,7 @@ def _report(weight: torch.Tensor, gq: GroupQuantized, H: torch.Tensor, scheme: M
     same H: row chunks bound the fp32 copies of a large head, and the elementwise passes run on
     cache-sized pieces of them."""
     err, rtn_loss = ErrorStats(), 0.0
-    rtn_storage = dataclasses.replace(BF16, bits=storage.bits)
+    rtn_storage = dataclasses.replace(BF16, bits=storage.bits, codebook=storage.codebook)
     for start in range(0, weight.shape[0], ROW_CHUNK):
         w, q = weight[start:start + ROW_CHUNK], gq.rows(slice(start, start + ROW_CHUNK))
         rtn_error = torch.empty(w.shape, dtype=torch.float32, device=w.device)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .candidates import ERROR, WU, WUG, WUU, grid_scores
+from .codebook import codebook_search, dequantize_levels
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .recovery import with_recovered
 from .superblock import superblock_grids
@@ -55,6 +56,8 @@ class Storage:
     ``superblock``: groups per K-quant super-block, whose grids are stored as levels of fp16
     units (see :mod:`.superblock`); a row whose groups do not fill super-blocks is stored as this
     storage without them. ``bits``: the width of the group codes (4, or GGUF's 5 and 6).
+    ``codebook``: a non-linear grid's levels (symmetric, ``w = levels[q] * scale``, see
+    :mod:`.codebook`), None for the linear grids above.
     """
 
     scale_dtype: torch.dtype = torch.bfloat16
@@ -63,6 +66,7 @@ class Storage:
     signed_scale: bool = False
     superblock: int | None = None
     bits: int = 4
+    codebook: tuple[int, ...] | None = None
 
     @property
     def exact_dtype(self) -> torch.dtype:
@@ -92,22 +96,26 @@ INTEGER_ZERO = Storage(torch.float16, "integer")
 @dataclass(frozen=True)
 class GroupQuantized:
     """A quantized weight: codes uint8 [N, K] in 0..2^bits - 1 (0..15), scale and zero bf16
-    [N, K // group_size] (or as the format stores them)."""
+    [N, K // group_size] (or as the format stores them); ``levels``: a non-linear grid's table
+    (``w = levels[q] * scale``, zero 0), None for a linear one."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int = 4
+    levels: tuple[int, ...] | None = None
 
     @property
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scale.shape[1]
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if self.levels:
+            return dequantize_levels(self.codes, self.scale, self.levels, dtype)
         return dequantize_codes(self.codes, self.scale, self.zero, dtype, self.bits)
 
     def rows(self, rows: slice) -> "GroupQuantized":
-        return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows], self.bits)
+        return GroupQuantized(self.codes[rows], self.scale[rows], self.zero[rows], self.bits, self.levels)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -116,7 +124,7 @@ class GroupQuantized:
     @classmethod
     def cat(cls, parts: list["GroupQuantized"]) -> "GroupQuantized":
         """Row chunks [n_i, K] of one weight joined into one."""
-        return cls(*(torch.cat(t) for t in zip(*(p.tensors for p in parts))), parts[0].bits)
+        return cls(*(torch.cat(t) for t in zip(*(p.tensors for p in parts))), parts[0].bits, parts[0].levels)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -179,6 +187,10 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
                                                       column_weights) for rows in chunks])
     g = _grouped(w, group_size)
     bits = storage.bits
+    if storage.codebook:  # non-linear grids are always searched, as llama.cpp's IQ4 quantizer does
+        weights = torch.ones(w.shape[1], device=w.device) if column_weights is None else column_weights
+        scale, zero, codes = codebook_search(g, weights.reshape(g.shape[1:]).to(torch.float32), storage)
+        return GroupQuantized(codes.reshape(w.shape), scale, zero, bits, storage.codebook)
     if storage.superblock and not storage.couples(g.shape[1]):
         return quantize_groupwise(w, group_size, symmetric, clip_search, storage.for_row(g.shape[1]), column_weights)
     if storage.superblock and column_weights is None:  # K-quants search their grids, as llama.cpp's do
@@ -222,6 +234,8 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
         parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
         return tuple(torch.cat(t) for t in zip(*parts))
     bits = storage.bits
+    if storage.codebook:
+        return codebook_search(g, weights.to(torch.float32), storage)
     if storage.superblock:
         scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage.for_row(g.shape[1]))
         if not storage.couples(g.shape[1]):

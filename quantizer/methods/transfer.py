@@ -57,10 +57,10 @@ def transfer_grid(source: SourceGrid, group_size: int, symmetric: bool, storage:
     zeros where the storage holds them exactly; else each group's scale and zero rounded to the
     storage's nearest and the codes chosen again against them (``exact`` False). None where the
     grid cannot carry over at all: an output group spanning two source groups, other code widths,
-    K-quant super-blocks (their grids are levels of shared units), or a symmetric output of a
-    source whose zeros are not 0."""
+    K-quant super-blocks (their grids are levels of shared units), non-linear grids, or a symmetric
+    output of a source whose zeros are not 0."""
     n, k = source.codes.shape
-    if k % group_size or storage.bits != source.bits or storage.couples(k // group_size):
+    if k % group_size or storage.bits != source.bits or storage.couples(k // group_size) or storage.codebook:
         return None
     runs = source.group.reshape(k // group_size, group_size)
     if not bool((runs == runs[:, :1]).all()):

@@ -1,6 +1,7 @@
 """Plan a quantization: check the checkpoint and the options against each other and decide, for
 every tensor, whether it is copied, dropped, or quantized and with which scheme. Reads only
-config.json and shard headers, and raises before anything is written."""
+config.json and shard headers (with a size target, each quantized weight once more, to measure
+it), and raises before anything is written."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..methods.transfer import SourceGrid
 from ..schema.config import SOURCE_GRIDS, QuantizationConfig, matches_ignore
 from ..schema.methods import UNCALIBRATED
 from ..schema.scheme import ModuleScheme
+from .budget import SIZE_TARGET, fit_to_size
 from .precision import implied_options, separate_head_ok
 from .recipes import Override, assign_schemes, recipe_bits
 
@@ -57,6 +59,7 @@ class QuantizeOptions:
     overrides: tuple[Override, ...] = ()
     strict_group_size: bool = False
     gguf_type: str | None = None  # the gguf format's block types (None: Q4_0/Q4_1 by the grid)
+    target_bpw: float | None = None  # gguf: each module's type chosen for this many bits per weight
 
     @property
     def output_format(self) -> CheckpointFormat:
@@ -190,6 +193,12 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
                     if m not in (structure.embedding, structure.head)}
     format_notes = fmt.fit_schemes(schemes, k_dims, SourceModel(model_dir, config, layer_shapes),
                                    calibrated=options.method != UNCALIBRATED)
+    calibration = {SOURCE_GRIDS: quantized.scheme.title} if quantized is not None else {}
+    if options.target_bpw is not None:
+        sized, format_notes, calibration[SIZE_TARGET] = _fit_to_size(options.target_bpw, reader, structure,
+                                                                     targets, schemes, fmt)
+        schemes.update(sized)
+        notes.append(_size_note(calibration[SIZE_TARGET]))
     fallbacks.update(format_notes)
     notes += _grouped_notes(format_notes)
     left_out = structure.left_out_note()
@@ -207,7 +216,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
         method=options.method,
         symmetric=options.symmetric,
         clip_search=options.clip_search,
-        calibration={SOURCE_GRIDS: quantized.scheme.title} if quantized is not None else {},
+        calibration=calibration,
         modules={m: scheme.to_dict() for m, scheme in schemes.items() if scheme != default},
     )
     return QuantizationPlan(model_dir, reader, config, structure, qconfig, targets, options, frozenset(dropped),
@@ -244,6 +253,23 @@ def _check_one_group(schemes: dict[str, ModuleScheme], group: int, k_dims: dict[
     first = odd[0]
     raise InputError(f"the {fmt.title} export holds one group size for the whole model, but {first} "
                      f"(K={k_dims[first]}) would be group {schemes[first].group_size}, not {group}; {fix}")
+
+
+def _fit_to_size(target_bpw: float, reader, structure: ModelStructure, targets: dict[str, str],
+                 schemes: dict[str, ModuleScheme], fmt: CheckpointFormat):
+    """:func:`.budget.fit_to_size` over the modules not kept, each weight read once as its linear."""
+    def weights():
+        for module, scheme in schemes.items():
+            if not scheme.kept:
+                yield module, structure.as_linear(module, reader.get(targets[module]))
+
+    return fit_to_size(target_bpw, weights(), fmt)
+
+
+def _size_note(record: dict) -> str:
+    types = ", ".join(f"{n} {kind}" for kind, n in record["types"].items())
+    return (f"--target-bpw {record['target_bpw']:g}: {record['planned_bpw']:.3f} bits per weight over the "
+            f"quantized modules ({types}), chosen for the least relative squared error")
 
 
 def _grouped_notes(notes: dict[str, str]) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..calibrate.windows import CalibrationSettings
 from ..errors import UsageError
 from ..formats import get_format
+from ..schema.scheme import KEPT_BITS
 from .planning import QuantizeOptions
 
 
@@ -43,6 +44,8 @@ def checked_request(request: QuantizeRequest, refine: bool = False) -> QuantizeR
     options = request.options
     if options.gguf_type and options.checkpoint_format != "gguf":
         raise UsageError("--gguf-type is for --format gguf")
+    if options.target_bpw is not None:
+        options = _sized(options)
     if options.checkpoint_format == "gguf":
         from ..formats.gguf.staging import check_gguf_type
 
@@ -53,3 +56,20 @@ def checked_request(request: QuantizeRequest, refine: bool = False) -> QuantizeR
         raise UsageError("--refine is for --method gptq on symmetric grids: add --method gptq and --sym "
                          "(for GGUF, --gguf-type q4_0 or q5_0)")
     return dataclasses.replace(request, options=options)
+
+
+def _sized(options: QuantizeOptions) -> QuantizeOptions:
+    """``options`` for a ``--target-bpw`` run: its own GGUF type, every module's bits its choice."""
+    from ..formats.gguf.types import SIZED
+
+    if options.checkpoint_format != "gguf":
+        raise UsageError("--target-bpw is for --format gguf")
+    for given, flag in ((options.gguf_type, "--gguf-type"), (options.recipe != "all4", "--recipe"),
+                        (options.overrides, "--override"), (options.symmetric is not None, "--sym/--asym"),
+                        ({options.head_bits, options.embedding_bits} - {None, KEPT_BITS},
+                         "--head-bits/--embedding-bits")):
+        if given:
+            raise UsageError(f"--target-bpw chooses every module's type; drop {flag}")
+    if not options.target_bpw > 0:
+        raise UsageError(f"--target-bpw {options.target_bpw:g} is not a positive number of bits per weight")
+    return dataclasses.replace(options, gguf_type=SIZED.name)

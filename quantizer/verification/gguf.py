@@ -16,7 +16,7 @@ from ..schema.methods import get_method
 from .structure import CheckResult
 from .tensors import TensorStats
 
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 OWN_KEYS = ("general.file_type", "general.quantized_by", "int4q.quantization_config")
 
 
@@ -90,13 +90,16 @@ def check_structure(reader, expected: dict, expected_kv: dict, source_tied: bool
 
 def _nearest_excess(stored, source: torch.Tensor, kind) -> float:
     """Largest |error| beyond the block grid's nearest point, over a tensor."""
+    from ..methods.codebook import codebook_values, round_to_levels
     from ..methods.codes import code_range
 
     n, k = source.shape
     w = source.reshape(n, -1, stored.group)
     d = stored.d.unsqueeze(-1)
     safe = torch.where(d == 0, 1.0, d)
-    if kind.bits == 8:
+    if stored.levels:
+        best = codebook_values(round_to_levels(w, stored.d, stored.levels), stored.d, stored.levels)
+    elif kind.bits == 8:
         best = torch.round(w / safe).clamp(-127, 127) * d
     else:
         top = code_range(kind.bits)[1]

@@ -110,3 +110,32 @@ def test_k_quants_refuse_grids_they_cannot_hold():
         B.encode(quantize_groupwise(w, 32, storage=B.Q4_1_STORAGE), B.Q4_K)
     with pytest.raises(ValueError, match="whole 256-weight super-blocks"):
         B.encode(quantize_groupwise(weights(2, 3, 5, 0), 32, storage=B.Q4_K_STORAGE), B.Q4_K)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), supers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       scale_exp=st.integers(-14, 4), weighted=st.booleans(), kind=st.sampled_from([B.IQ4_NL, B.IQ4_XS]))
+def test_iq4_blocks_decode_to_int4qs_level_grids_in_ggml_and_here(rows, supers, seed, scale_exp, weighted, kind):
+    w = weights(rows, 8 * supers, seed, scale_exp)
+    column_weights = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) if weighted else None
+    gq = quantize_groupwise(w, 32, symmetric=True, storage=kind.storage, column_weights=column_weights)
+    blocks = 8 * supers if kind is B.IQ4_NL else supers
+    assert_encodes_to_its_grid(gq, kind, rows, blocks)
+    assert B.decode(B.encode(gq, kind), kind).levels == gq.levels
+
+
+def test_iq4_types_refuse_grids_they_cannot_hold():
+    w = weights(2, 8, 5, 0)
+    with pytest.raises(ValueError, match="IQ4 level grids"):
+        B.encode(quantize_groupwise(w, 32, symmetric=True, storage=B.Q4_0_STORAGE), B.IQ4_NL)
+    linear = B.Storage(torch.float32, signed_scale=True, codebook=B.IQ4_NL.storage.codebook)
+    with pytest.raises(ValueError, match="not fp16 values"):
+        B.encode(quantize_groupwise(w, 32, symmetric=True, storage=linear), B.IQ4_NL)
+    with pytest.raises(ValueError, match="not levels of an fp16 unit"):
+        B.encode(quantize_groupwise(w, 32, symmetric=True, storage=B.IQ4_NL.storage), B.IQ4_XS)
+    with pytest.raises(ValueError, match="whole 256-weight blocks"):
+        B.encode(quantize_groupwise(weights(2, 3, 5, 0), 32, symmetric=True, storage=B.IQ4_NL.storage), B.IQ4_XS)
+    assert B.block_type(4, True, 512, True, "IQ4_XS") is B.IQ4_XS
+    assert B.block_type(4, True, 96, True, "IQ4_XS") is B.IQ4_NL  # rows that are not whole super-blocks
+    assert B.block_type(4, False, 512, True, "IQ4_XS") is B.Q4_K
+    assert B.block_type(5, False, 512, True, "IQ4_NL") is B.Q5_K

@@ -54,13 +54,20 @@ def test_q4_k_m_gives_each_tensor_llama_quantizes_type_and_passes_verify(eight_l
         assert types[f"blk.{i}.attn_v.weight"] == ("Q6_K" if more else "Q4_K")
         assert types[f"blk.{i}.ffn_down.weight"] == ("Q8_0" if more else "Q5_0")  # K=288: the fallbacks
         assert types[f"blk.{i}.attn_q.weight"] == types[f"blk.{i}.ffn_up.weight"] == "Q4_K"
-    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types  # tied: the head's type
-    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.file_type"].contents() == \
-        gguf.LlamaFileType.MOSTLY_Q4_K_M
     assert "Q8_0 for Q6_K (model.layers.0.mlp.down_proj and 3 more)" in result.stderr
+    assert_llama_quantizes_mixture(tmp_path / "m.gguf", eight_layers, tmp_path, "Q4_K_M")
+
+
+def assert_llama_quantizes_mixture(path, source, tmp_path, ftype: str) -> None:
+    """A mixture's file of a tied model: the table at the head's Q6_K, llama.cpp's file type, every
+    tensor's type llama-quantize's (where it is built), and verify passes it."""
+    types = tensor_types(path)
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types  # tied: the head's type
+    assert gguf.GGUFReader(path).fields["general.file_type"].contents() == getattr(gguf.LlamaFileType,
+                                                                                    f"MOSTLY_{ftype}")
     if shutil.which(LLAMA_QUANTIZE):
-        assert types == llama_quantize_types(eight_layers, tmp_path, "Q4_K_M")
-    assert_verify_passes(tmp_path / "m.gguf", eight_layers)
+        assert types == llama_quantize_types(source, tmp_path, ftype)
+    assert_verify_passes(path, source)
 
 
 def test_a_calibrated_q4_0_file_gives_the_first_eighth_of_ffn_down_q4_1_as_llama_quantize_with_an_imatrix(

@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 LLAMA_QUANTIZE = f"{sys.prefix}/share/int4q/llama.cpp/build/bin/llama-quantize"
 needs_llama_quantize = pytest.mark.skipif(not shutil.which(LLAMA_QUANTIZE), reason="llama.cpp's tools are not built "
                                           "here: bash scripts/setup_gguf.sh --build")
-TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 SLACK = {"q4_k": 0.005}  # Q4_K: lower in sum, but a small tensor may still be up to 0.5 % behind (measured 0.15 %)
 
 

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 
 GROUP = {"Q6_K": 16}
 NEAR_GRID = {"Q4_0": 1.0, "Q4_1": 1.5, "Q5_1": 10.0}  # a near grid's error over the original grid's, at most
-SYMMETRIC = {"Q4_0", "Q5_0", "Q6_K"}
+SYMMETRIC = {"Q4_0", "Q5_0", "Q6_K", "IQ4_NL", "IQ4_XS"}
 
 
 def decoded(q, kind: str) -> torch.Tensor:
@@ -39,7 +39,8 @@ def test_a_weight_on_a_gguf_grid_is_recovered_bit_for_bit_by_round_to_nearest_an
     scale, zero, codes = weighted_grid_search(w.reshape(80, -1, group), weights, symmetric, storage)
     from quantizer.methods.grid import GroupQuantized
 
-    assert torch.equal(decoded(GroupQuantized(codes.reshape(80, 512), scale, zero, storage.bits), kind), w)
+    assert torch.equal(decoded(GroupQuantized(codes.reshape(80, 512), scale, zero, storage.bits, storage.codebook),
+                               kind), w)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K"])

@@ -6,6 +6,7 @@
     Q5_1  24 bytes: fp16 d, fp16 m, 4 bytes of fifth bits, 16     w = q * d + m          (asymmetric)
     Q8_0  34 bytes: fp16 d, 32 int8 codes                         w = q * d
     Q4_K, Q5_K, Q6_K  super-blocks of 256 weights (see kquants.py)
+    IQ4_NL, IQ4_XS    4-bit codes on a non-linear table of levels (see iquants.py)
 
 A block's nibble byte j holds element j in its low half and element j + 16 in its high half; bit
 e of the little-endian word of fifth bits is element e's. int4q's grid for Q4_1/Q5_1 is
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...methods.codebook import IQ4_LEVELS, codebook_values
 from ...methods.codes import code_range
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
+from .iquants import I_DECODERS, I_ENCODERS
 from .kquants import K_DECODERS, K_ENCODERS, fp16_bytes, nibbles, unpack_nibbles
 from .types import BLOCK, SUPER
 
@@ -46,7 +49,7 @@ class BlockType:
 
     @property
     def kquant(self) -> bool:
-        return self.weights == SUPER
+        return self.name in K_ENCODERS
 
 
 def _legacy(bits: int, symmetric: bool) -> Storage:
@@ -66,19 +69,26 @@ Q4_K = BlockType("Q4_K", 4, False, 144, Storage(torch.float16, "min", BLOCK, sup
 Q5_K = BlockType("Q5_K", 5, False, 176, Storage(torch.float16, "min", BLOCK, superblock=SUPER // 32, bits=5), SUPER)
 Q6_K = BlockType("Q6_K", 6, True, 210, Storage(torch.float16, "float", BLOCK, signed_scale=True,
                                                superblock=SUPER // 16, bits=6), SUPER)
-TYPES = {t.name: t for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+IQ4_NL = BlockType("IQ4_NL", 4, True, 18, Storage(torch.float16, "float", BLOCK, signed_scale=True,
+                                                   codebook=IQ4_LEVELS))
+IQ4_XS = BlockType("IQ4_XS", 4, True, 136, Storage(torch.float16, "float", BLOCK, signed_scale=True,
+                                                   superblock=SUPER // BLOCK, codebook=IQ4_LEVELS), SUPER)
+TYPES = {t.name: t for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)}
 Q4_0_STORAGE, Q4_1_STORAGE, Q4_K_STORAGE = Q4_0.storage, Q4_1.storage, Q4_K.storage
 
 
-def block_type(bits: int, symmetric: bool, k: int, kquants: bool = False) -> BlockType:
+def block_type(bits: int, symmetric: bool, k: int, kquants: bool = False, iq4: str | None = None) -> BlockType:
     """The block type of a module with this precision, grid and input dim k. 6 bits is Q6_K and 8
     bits Q8_0; with ``kquants`` an asymmetric 4- or 5-bit module is Q4_K/Q5_K where its rows are
-    whole super-blocks, Q4_1/Q5_1 elsewhere (as those storages round it); otherwise Q4_0/Q5_0
-    (symmetric) or Q4_1/Q5_1."""
+    whole super-blocks, Q4_1/Q5_1 elsewhere (as those storages round it); with ``iq4`` ("IQ4_NL" or
+    "IQ4_XS") a symmetric 4-bit module is that type (IQ4_XS: IQ4_NL where its rows are not whole
+    super-blocks, as llama-quantize falls back); otherwise Q4_0/Q5_0 (symmetric) or Q4_1/Q5_1."""
     if bits == 8:
         return Q8_0
     if bits == 6:
         return Q6_K
+    if iq4 and symmetric and bits == 4:
+        return IQ4_XS if iq4 == "IQ4_XS" and k % SUPER == 0 else IQ4_NL
     if symmetric:
         return Q4_0 if bits == 4 else Q5_0
     if kquants and k % SUPER == 0:
@@ -132,8 +142,9 @@ def encode_q8(cq: ChannelQuantized) -> torch.Tensor:
 
 def encode(quantized: GroupQuantized | ChannelQuantized, kind: BlockType) -> torch.Tensor:
     """One module's blocks, row by row: uint8 [N, kind.row_bytes(K)]."""
-    if kind.kquant:
-        return K_ENCODERS[kind.name](quantized)
+    encoder = K_ENCODERS.get(kind.name) or I_ENCODERS.get(kind.name)
+    if encoder:
+        return encoder(quantized)
     return encode_q8(quantized) if kind is Q8_0 else encode_legacy(quantized, kind)
 
 
@@ -141,12 +152,14 @@ def encode(quantized: GroupQuantized | ChannelQuantized, kind: BlockType) -> tor
 class DecodedBlocks:
     """The stored fields of a block tensor: codes [N, K] (0..2^bits - 1, or -127..127 for Q8_0),
     d [N, G] per group and, for asymmetric types, m [N, G] (w = q * d + m; symmetric: w =
-    (q - mid) * d), all fp32 as GGML computes them (K-quants' per group: d * sc and -dmin * m)."""
+    (q - mid) * d; IQ4: w = levels[q] * d), all fp32 as GGML computes them (K-quants' per group:
+    d * sc and -dmin * m)."""
 
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
     mid: int = 0
+    levels: tuple[int, ...] | None = None
 
     @property
     def group(self) -> int:
@@ -155,6 +168,8 @@ class DecodedBlocks:
     def values(self) -> torch.Tensor:
         """The weights [N, K] fp32, computed as GGML computes them."""
         n, k = self.codes.shape
+        if self.levels:
+            return codebook_values(self.codes.reshape(n, -1, self.group), self.d, self.levels).reshape(n, k)
         c = self.codes.to(torch.float32).reshape(n, -1, self.group)
         d = self.d.unsqueeze(-1)
         w = c * d + self.m.unsqueeze(-1) if self.m is not None else (c - self.mid) * d
@@ -165,6 +180,8 @@ def decode(data: torch.Tensor, kind: BlockType) -> DecodedBlocks:
     """uint8 [N, row bytes] of ``kind`` -> its stored fields."""
     if kind.kquant:
         return DecodedBlocks(*K_DECODERS[kind.name](data))
+    if kind.name in I_DECODERS:
+        return DecodedBlocks(*I_DECODERS[kind.name](data), levels=IQ4_LEVELS)
     n = data.shape[0]
     blocks = data.reshape(n, -1, kind.nbytes)
 

@@ -2,8 +2,9 @@
 module's finished blocks, and llama.cpp's converter then writes the one .gguf file from the
 source and those blocks (see assemble.py). Per quantized module ``<name>`` with a [N, K] weight:
 
-    <name>.gguf_blocks  uint8 [N, row bytes]  Q4_0 / Q4_1 / Q4_K (4-bit), Q5_0 / Q5_1 / Q5_K (5-bit),
-                                              Q6_K (6-bit), Q8_0 (8-bit); see blocks.py and kquants.py
+    <name>.gguf_blocks  uint8 [N, row bytes]  Q4_0 / Q4_1 / Q4_K / IQ4_NL / IQ4_XS (4-bit), Q5_0 / Q5_1 /
+                                              Q5_K (5-bit), Q6_K (6-bit), Q8_0 (8-bit); see blocks.py,
+                                              kquants.py and iquants.py
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from ...io.shards import TensorSpec
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
 from ...schema.scheme import ModuleScheme
 from .blocks import BLOCK, TYPES, BlockType, block_type
-from .types import DEFAULT, GGUF_TYPES, GgufType, fallback, guarded_downs, mixture_bits
+from .types import (
+    ALL_TYPES,
+    DEFAULT,
+    GGUF_TYPES,
+    GgufType,
+    fallback,
+    guarded_downs,
+    iq4_mixture_bits,
+    mixture_bits,
+)
 
 SUFFIX = "gguf_blocks"
 
@@ -41,15 +51,21 @@ class GgufFormat:
 
     @property
     def head_bits(self) -> int | None:
-        """The precision a K_M mixture gives the head (and a table tied to it), as llama-quantize."""
-        return self.gguf_type.more_bits if self.gguf_type else None
+        """The precision a K_M or IQ4 mixture gives the head (and a table tied to it), as llama-quantize."""
+        return self.gguf_type.head_bits if self.gguf_type else None
 
     def type_for(self, symmetric: bool) -> GgufType:
         return self.gguf_type or DEFAULT[symmetric]
 
     def block_type(self, scheme: ModuleScheme, k: int) -> BlockType:
         """The block type a module with this scheme and input dim k is stored in."""
-        return block_type(scheme.bits, scheme.symmetric, k, self.type_for(scheme.symmetric).kquants)
+        t = self.type_for(scheme.symmetric)
+        return block_type(scheme.bits, scheme.symmetric, k, t.kquants, t.iq4)
+
+    def fallback(self, scheme: ModuleScheme, k: int) -> tuple[ModuleScheme, str | None]:
+        """The scheme a module of input dim k is stored with in this type, and a note where it is
+        not ``scheme`` (see :func:`.types.fallback`)."""
+        return fallback(scheme, k, self.type_for(scheme.symmetric))
 
     def grid_storage(self, scheme: ModuleScheme, k: int) -> Storage:
         return self.block_type(scheme, k).storage
@@ -81,10 +97,11 @@ class GgufFormat:
         them with an importance matrix; then each module the type's fallback for its input dim,
         with a note for each fallback."""
         t = self.gguf_type
-        wanted = source is not None and (calibrated or bool(t and t.more_bits))
+        wanted = source is not None and (calibrated or bool(t and (t.more_bits or t.iq4)))
         names, arch = _names(source) if wanted else ({}, "")
         if t is not None:
             more = mixture_bits(t, names, arch) if t.more_bits else {}
+            more.update(iq4_mixture_bits(t, names, _query_groups(source), calibrated) if wanted else {})
             for module, scheme in schemes.items():
                 bits = more.get(module, t.bits)
                 if scheme.bits == 4 and bits != 4:
@@ -97,7 +114,7 @@ class GgufFormat:
                     schemes[module] = dataclasses.replace(scheme, symmetric=False)
         notes = {}
         for module, scheme in schemes.items():
-            schemes[module], note = fallback(scheme, k_dims[module], self.type_for(scheme.symmetric))
+            schemes[module], note = self.fallback(scheme, k_dims[module])
             if note:
                 notes[module] = note
         return notes
@@ -123,11 +140,18 @@ def _names(source) -> tuple[dict[str, list[str]], str]:
     return found.names, found.arch
 
 
+def _query_groups(source) -> int:
+    """Query heads per key/value head of a planned source's model (1 where its config has no heads)."""
+    text = source.config.get("text_config") or source.config
+    heads = text.get("num_attention_heads") or 1
+    return heads // (text.get("num_key_value_heads") or heads)
+
+
 def check_gguf_type(gguf_type: str | None, symmetric: bool | None) -> bool | None:
     """The symmetric flag a --gguf-type implies, checked against --sym/--asym."""
     if gguf_type is None:
         return symmetric
-    implied = GGUF_TYPES[gguf_type].symmetric
+    implied = ALL_TYPES[gguf_type].symmetric
     if symmetric is not None and symmetric != implied:
         raise InputError(f"--gguf-type {gguf_type} is {'a symmetric' if implied else 'an asymmetric'} grid; "
                          f"drop --{'asym' if implied else 'sym'}")
@@ -139,6 +163,6 @@ FORMAT = GgufFormat()
 
 def variant(gguf_type: str) -> GgufFormat:
     """The format for a --gguf-type."""
-    if gguf_type not in GGUF_TYPES:
+    if gguf_type not in ALL_TYPES:
         raise InputError(f"--gguf-type {gguf_type} is not one of {', '.join(GGUF_TYPES)}")
-    return GgufFormat(GGUF_TYPES[gguf_type])
+    return GgufFormat(ALL_TYPES[gguf_type])
