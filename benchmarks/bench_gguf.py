@@ -6,7 +6,9 @@ CPython's pydoc_data.topics); ``llama-quantize`` writes each type with and witho
 writes the same types with each method, and ``llama-quantize`` once more with the importance
 matrix int4q's weighted run wrote (``--imatrix-out``). Every file is then scored by ``llama-perplexity
 --kl-divergence`` against the bf16 logits on the held-out half (mean KLD, same top token, PPL
-ratio) and timed by ``llama-bench`` (pp512, tg128), one file at a time, same threads.
+ratio) and timed by ``llama-bench`` (pp512, tg128), one file at a time, same threads. With
+``--llama-types`` and ``--targets``, llama-quantize's other types (with the importance matrix) and
+int4q's ``--target-bpw`` files join them: the points and curves of the Pareto plot (plots.py).
 
     python benchmarks/bench_gguf.py --model models/smollm2 --work /tmp/bench-gguf --threads 2 --json out.json
 
@@ -30,13 +32,17 @@ sys.path.insert(0, str(ROOT))
 TABLES_Q8 = ("--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0")
 # label -> (llama-quantize's type, its options, int4q's options), so both files hold the same types:
 # the single types with their tables (token_embd/output) at Q8_0 on both sides (Q4_K: --pure, every
-# other tensor Q4_K or its fallback); the K_M mixtures as llama-quantize chooses them.
+# other tensor Q4_K or its fallback); the K_M and IQ4 mixtures as llama-quantize chooses them (the
+# IQ4 mixtures' early ffn_down take Q5_K without an importance matrix: in llama-quantize's files
+# without one and int4q's minmax files).
 TYPES = {
     "q4_0": ("Q4_0", TABLES_Q8, ("--gguf-type", "q4_0", "--recipe", "table8")),
     "q4_1": ("Q4_1", TABLES_Q8, ("--gguf-type", "q4_1", "--recipe", "table8")),
     "q4_k": ("Q4_K", ("--pure", *TABLES_Q8), ("--gguf-type", "q4_k", "--recipe", "table8")),
     "q4_k_m": ("Q4_K_M", (), ("--gguf-type", "q4_k_m")),
     "q5_k_m": ("Q5_K_M", (), ("--gguf-type", "q5_k_m")),
+    "iq4_nl": ("IQ4_NL", (), ("--gguf-type", "iq4_nl")),
+    "iq4_xs": ("IQ4_XS", (), ("--gguf-type", "iq4_xs")),
 }
 METHODS = ("minmax", "weighted", "gptq", "gptq-refined")  # gptq-refined: gptq --refine
 SYMMETRIC_TYPES = ("q4_0",)  # the types --refine applies to
@@ -135,6 +141,35 @@ def arms(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[s
             made.append((f"int4q {ltype} {method}", out, time.perf_counter() - start))
         if "weighted" in args.methods:
             made.append(with_int4q_imatrix(args, work, label, log))
+    return made + llama_points(args, work, bf16, imatrix, log) + sized_arms(args, work, log)
+
+
+def llama_points(args, work: Path, bf16: Path, imatrix: Path, log: Path) -> list[tuple[str, Path, float]]:
+    """llama-quantize's own files at the --llama-types (with the importance matrix): the Pareto
+    plot's reference points."""
+    made = []
+    for ltype in args.llama_types:
+        out = work / f"llama-{ltype.lower()}-imatrix.gguf"
+        start = time.perf_counter()
+        if not out.exists():
+            sh([args.llama_bin / "llama-quantize", "--imatrix", imatrix, bf16, out, ltype], log)
+        made.append((f"llama-quantize {ltype} + imatrix", out, time.perf_counter() - start))
+    return made
+
+
+def sized_arms(args, work: Path, log: Path) -> list[tuple[str, Path, float]]:
+    """int4q's --target-bpw files at each of --targets, for each method: the Pareto plot's curves."""
+    made = []
+    for target in args.targets:
+        for method in (m for m in args.methods if m != "gptq-refined"):
+            out = work / f"int4q-target{target:g}-{method}.gguf"
+            start = time.perf_counter()
+            if not out.exists():
+                calib = [*(["--nsamples", args.nsamples] if args.nsamples else []),
+                         *(["--seqlen", args.seqlen] if args.seqlen else [])] if method != "minmax" else []
+                sh([sys.executable, "-m", "quantizer", "quantize", "--model", args.model, "--out", out, "--format",
+                    "gguf", "--target-bpw", target, "--method", method, "--no-progress", *calib], log)
+            made.append((f"int4q-target {target:g}bpw {method}", out, time.perf_counter() - start))
     return made
 
 
@@ -164,6 +199,10 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:3]), choices=METHODS,
                     help="int4q's methods; gptq-refined (gptq --refine) on the symmetric types only")
+    ap.add_argument("--llama-types", nargs="*", default=[], metavar="TYPE",
+                    help="llama-quantize types (with the imatrix) to add as reference points, e.g. Q3_K_M Q6_K")
+    ap.add_argument("--targets", nargs="*", type=float, default=[], metavar="BPW",
+                    help="int4q --target-bpw files to add, for each of --methods")
     ap.add_argument("--nsamples", type=int, help="calibration windows (default: int4q's for each method)")
     ap.add_argument("--seqlen", type=int, help="tokens per calibration window (default: int4q's, 512)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")
@@ -185,7 +224,8 @@ def main() -> None:
     if args.reps:
         for row, speed in zip(rows, speeds(args.llama_bin, [p for _, p, _ in made], args.threads, args.reps, log)):
             row.update(speed)
-    print(f"\n{args.model.name}, eval: {args.chunks} x {args.ctx} tokens of the held-out text, {args.threads} threads\n")
+    print(f"\n{args.model.name}, eval: {args.chunks} x {args.ctx} tokens of the held-out text, "
+          f"{args.threads} threads\n")
     print("| arm | MB | bpw | mean KLD | same top-1 % | PPL ratio | pp512 t/s | tg128 t/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
