@@ -108,8 +108,9 @@ def prepare(args, work: Path, log: Path) -> tuple[Path, Path, Path, Path]:
             "-t", args.threads, "--kl-divergence-base", base], log)
     imatrix = work / "imatrix.gguf"
     if not imatrix.exists():
+        chunks = ["--chunks", args.imatrix_chunks] if args.imatrix_chunks else []
         sh([args.llama_bin / "llama-imatrix", "-m", bf16, "-f", calib, "-c", args.ctx, "-t", args.threads,
-            "-o", imatrix], log)
+            *chunks, "-o", imatrix], log)
     return bf16, base, imatrix, evalt
 
 
@@ -203,6 +204,8 @@ def main() -> None:
                     help="llama-quantize types (with the imatrix) to add as reference points, e.g. Q3_K_M Q6_K")
     ap.add_argument("--targets", nargs="*", type=float, default=[], metavar="BPW",
                     help="int4q --target-bpw files to add, for each of --methods")
+    ap.add_argument("--imatrix-chunks", type=int,
+                    help="llama-imatrix's windows of --ctx tokens (default: the whole calibration half)")
     ap.add_argument("--nsamples", type=int, help="calibration windows (default: int4q's for each method)")
     ap.add_argument("--seqlen", type=int, help="tokens per calibration window (default: int4q's, 512)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")

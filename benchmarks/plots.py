@@ -4,8 +4,9 @@
         --speed docs/benchmarks/data/speed_smollm2.json --gptq docs/benchmarks/data/gptq_smollm2.json \
         --out docs/benchmarks/img
 
-Each input is optional; each one given makes its PNG: ``gguf_kld.png`` (mean KLD against bits per
-weight, one marker per quantizer, from bench_gguf.py), ``speed.png`` (prefill and decode tok/s per
+Each input is optional; each one given makes its PNG: ``gguf_kld.png`` (or ``--gguf-png``: mean
+KLD against bits per weight, one line per quantizer, from bench_gguf.py; with its --llama-types and
+--targets arms, the Pareto plot), ``speed.png`` (prefill and decode tok/s per
 engine, from bench_vs_llamacpp.py), ``gptq_phases.png`` (GPTQ's time per phase, from bench_gptq.py), ``decode_depth.png`` (decode
 tok/s against context depth per arm, from one bench_vs_llamacpp.py --json file per depth).
 """
@@ -112,12 +113,13 @@ def main() -> None:
     ap.add_argument("--speed", type=Path, help="bench_vs_llamacpp.py --json output")
     ap.add_argument("--gptq", type=Path, help="bench_gptq.py --json output")
     ap.add_argument("--depth-series", type=Path, nargs="+", help="bench_vs_llamacpp.py --json outputs, one per --depth")
+    ap.add_argument("--gguf-png", default="gguf_kld.png", help="the --gguf plot's file name")
     ap.add_argument("--model", default="SmolLM2-135M", help="the model's name for the titles")
     ap.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gguf:
-        plot_gguf(json.loads(args.gguf.read_text()), args.out / "gguf_kld.png", f"{args.model}: GGUF quality per bit")
+        plot_gguf(json.loads(args.gguf.read_text()), args.out / args.gguf_png, f"{args.model}: GGUF quality per bit")
     if args.speed:
         plot_speed(json.loads(args.speed.read_text()), args.out / "speed.png", f"{args.model}: int4q and llama.cpp")
     if args.gptq:
