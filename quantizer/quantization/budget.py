@@ -32,42 +32,39 @@ def relative_error(weight: torch.Tensor, scheme: ModuleScheme, storage) -> float
     return err / norm if norm else 0.0
 
 
-def module_choices(weight: torch.Tensor, fmt) -> list[Choice]:
-    """The distinct block types a [N, K] weight can take in the sized format ``fmt``, each with its
-    bytes and relative error; a Choice's option is (the scheme that stores it, its fallback note,
-    the block type's name)."""
-    n, k = weight.shape
+def type_options(shape: tuple[int, int], fmt) -> list[tuple[tuple, int]]:
+    """The distinct block types a [N, K] weight can take in the sized format ``fmt``: per type,
+    ((the scheme that stores it, its fallback note, the block type's name), its bytes)."""
+    n, k = shape
     seen, out = set(), []
     for candidate in CANDIDATES:
         scheme, note = fmt.fallback(candidate, k)
-        if scheme.kept:
-            continue
-        kind = fmt.block_type(scheme, k)
-        if kind.name in seen:
-            continue
-        seen.add(kind.name)
-        error = relative_error(weight, scheme, kind.storage)
-        out.append(Choice((scheme, note, kind.name), n * kind.row_bytes(k), error))
+        kind = None if scheme.kept else fmt.block_type(scheme, k)
+        if kind is not None and kind.name not in seen:
+            seen.add(kind.name)
+            out.append(((scheme, note, kind.name), n * kind.row_bytes(k)))
     return out
 
 
-def fit_to_size(target_bpw: float, weights, fmt, say=lambda message: None) -> tuple[dict, dict[str, str], dict]:
-    """Each module's scheme for ``target_bpw`` bits per weight over the modules ``weights`` yields
-    (an iterable of (module, [N, K] weight), read one at a time): (module -> scheme, module ->
-    fallback note, the record of the choice for quantization_config). InputError where the target
-    is below what the smallest types take or above the largest."""
-    choices, params = {}, 0
-    for module, weight in weights:
-        choices[module] = module_choices(weight, fmt)
-        params += weight.numel()
-        say(f"measured {module}")
-    if not choices:
+def fit_to_size(target_bpw: float, shapes: dict[str, tuple[int, int]], weights, fmt) -> tuple[dict, dict, dict]:
+    """Each module's scheme for ``target_bpw`` bits per weight over the modules of ``shapes``
+    (module -> [N, K]), measured on ``weights`` (module -> its [N, K] weight, read when called):
+    (module -> scheme, module -> fallback note, the record of the choice for quantization_config).
+    InputError, before any weight is read, where the target is outside what the types can reach."""
+    if not shapes:
         raise InputError("--target-bpw has no module to choose a type for: every module is kept")
-    smallest = sum(min(c.nbytes for c in cs) for cs in choices.values()) * 8 / params
-    largest = sum(max(c.nbytes for c in cs) for cs in choices.values()) * 8 / params
+    options = {m: type_options(shape, fmt) for m, shape in shapes.items()}
+    params = sum(n * k for n, k in shapes.values())
+    smallest = sum(min(b for _, b in opts) for opts in options.values()) * 8 / params
+    largest = sum(max(b for _, b in opts) for opts in options.values()) * 8 / params
     if not smallest <= target_bpw <= largest:
         raise InputError(f"--target-bpw {target_bpw:g} is outside what this model's types can reach: "
                          f"{smallest:.3f} to {largest:.3f} bits per weight")
+    choices = {}
+    for m, opts in options.items():
+        weight = weights(m)
+        choices[m] = [Choice(o, nbytes, relative_error(weight, o[0], fmt.block_type(o[0], shapes[m][1]).storage))
+                      for o, nbytes in opts]
     chosen = allocate(choices, int(target_bpw * params / 8))
     schemes = {m: c.option[0] for m, c in chosen.items()}
     notes = {m: c.option[1] for m, c in chosen.items() if c.option[1]}

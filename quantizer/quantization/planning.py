@@ -196,7 +196,7 @@ def plan_quantization(model_dir: Path, options: QuantizeOptions) -> Quantization
     calibration = {SOURCE_GRIDS: quantized.scheme.title} if quantized is not None else {}
     if options.target_bpw is not None:
         sized, format_notes, calibration[SIZE_TARGET] = _fit_to_size(options.target_bpw, reader, structure,
-                                                                     targets, schemes, fmt)
+                                                                     targets, schemes, shapes, fmt)
         schemes.update(sized)
         notes.append(_size_note(calibration[SIZE_TARGET]))
     fallbacks.update(format_notes)
@@ -256,14 +256,10 @@ def _check_one_group(schemes: dict[str, ModuleScheme], group: int, k_dims: dict[
 
 
 def _fit_to_size(target_bpw: float, reader, structure: ModelStructure, targets: dict[str, str],
-                 schemes: dict[str, ModuleScheme], fmt: CheckpointFormat):
+                 schemes: dict[str, ModuleScheme], shapes: dict[str, tuple[int, int]], fmt: CheckpointFormat):
     """:func:`.budget.fit_to_size` over the modules not kept, each weight read once as its linear."""
-    def weights():
-        for module, scheme in schemes.items():
-            if not scheme.kept:
-                yield module, structure.as_linear(module, reader.get(targets[module]))
-
-    return fit_to_size(target_bpw, weights(), fmt)
+    sized = {m: shapes[m] for m, scheme in schemes.items() if not scheme.kept}
+    return fit_to_size(target_bpw, sized, lambda m: structure.as_linear(m, reader.get(targets[m])), fmt)
 
 
 def _size_note(record: dict) -> str:
