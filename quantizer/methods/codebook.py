@@ -77,14 +77,18 @@ def dequantize_levels(codes: torch.Tensor, scale: torch.Tensor, levels: tuple[in
 def round_to_levels(g: torch.Tensor, scale: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
     """Nearest codes for g [..., group] (fp32) on scales [...] per group (scale 0: the level
     nearest 0)."""
+    return nearest_levels(_units(g, scale), levels)
+
+
+def _units(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """g [..., group] over its group's scale [...] (0 where the scale is 0)."""
     s = scale.to(torch.float32).unsqueeze(-1)
-    return nearest_levels(g / torch.where(s == 0, 1.0, s) * (s != 0), levels)
+    return g / torch.where(s == 0, 1.0, s) * (s != 0)
 
 
 def _levels_on(g: torch.Tensor, scale: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
     """The levels (fp32) of the nearest codes for g [N, G, B] on ``scale`` [N, G] fp32."""
-    s = scale.unsqueeze(-1)
-    return _nearest(g / torch.where(s == 0, 1.0, s) * (s != 0), levels, values=True)
+    return _nearest(_units(g, scale), levels, values=True)
 
 
 def _error(g: torch.Tensor, weights: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

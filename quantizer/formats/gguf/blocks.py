@@ -23,7 +23,7 @@ from ...methods.codebook import IQ4_LEVELS, codebook_values
 from ...methods.codes import code_range
 from ...methods.grid import ChannelQuantized, GroupQuantized, Storage
 from .iquants import I_DECODERS, I_ENCODERS
-from .kquants import K_DECODERS, K_ENCODERS, fp16_bytes, nibbles, unpack_nibbles
+from .kquants import K_DECODERS, K_ENCODERS, fp16_bytes, nibbles, stored_fp16, unpack_nibbles
 from .types import BLOCK, SUPER
 
 
@@ -102,12 +102,6 @@ def _fifth_bits(codes: torch.Tensor) -> torch.Tensor:
     return (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
 
 
-def _stored_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
-    if not torch.equal(values.to(torch.float16).to(values.dtype), values):
-        raise ValueError(f"the {what} are not fp16 values; quantize on a GGUF storage")
-    return values
-
-
 def encode_legacy(gq: GroupQuantized, kind: BlockType) -> torch.Tensor:
     """A group-32 weight on a Q4_0/Q5_0 (zero 0) or Q4_1/Q5_1 grid -> uint8 [N, K / 32 * bytes].
     ValueError when its scales, zeros or codes are not what ``kind`` can hold."""
@@ -117,7 +111,7 @@ def encode_legacy(gq: GroupQuantized, kind: BlockType) -> torch.Tensor:
     if gq.bits != kind.bits:
         raise ValueError(f"{kind.name} holds {kind.bits}-bit codes, not {gq.bits}-bit")
     mid = code_range(kind.bits)[0]
-    scale = _stored_fp16(gq.scale.to(torch.float32), "scales")
+    scale = stored_fp16(gq.scale.to(torch.float32), "scales")
     zero = gq.zero.to(torch.float32)
     codes = gq.codes.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
     parts = [fp16_bytes(scale.unsqueeze(-1))]

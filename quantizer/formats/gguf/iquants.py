@@ -17,7 +17,7 @@ import torch
 from ...methods.codebook import IQ4_LEVELS, XS_SCALE_LEVELS
 from ...methods.grid import GroupQuantized
 from ...methods.superblock import fp16_units
-from .kquants import fp16_bytes, nibbles, unpack_nibbles
+from .kquants import fp16_bytes, nibbles, stored_fp16, unpack_nibbles
 from .types import BLOCK, SUPER
 
 GROUPS = SUPER // BLOCK  # IQ4_XS groups per super-block
@@ -35,9 +35,7 @@ def _check(gq: GroupQuantized, name: str, row_multiple: int) -> tuple[int, int]:
 def encode_iq4_nl(gq: GroupQuantized) -> torch.Tensor:
     """A group-32 weight on IQ4 levels with fp16 scales -> uint8 [N, K / 32 * 18]."""
     n, k = _check(gq, "IQ4_NL", BLOCK)
-    scale = gq.scale.to(torch.float32)
-    if not torch.equal(scale.to(torch.float16).to(torch.float32), scale):
-        raise ValueError("the IQ4_NL scales are not fp16 values; quantize on its storage")
+    scale = stored_fp16(gq.scale.to(torch.float32), "IQ4_NL scales")
     codes = gq.codes.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
     return torch.cat([fp16_bytes(scale.unsqueeze(-1)), nibbles(codes)], dim=-1).reshape(n, -1)
 

@@ -32,6 +32,13 @@ def fp16_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float16).contiguous().view(torch.uint8)
 
 
+def stored_fp16(values: torch.Tensor, what: str) -> torch.Tensor:
+    """``values``, checked to be fp16 values; ValueError naming ``what`` where they are not."""
+    if not torch.equal(values.to(torch.float16).to(values.dtype), values):
+        raise ValueError(f"the {what} are not fp16 values; quantize on a GGUF storage")
+    return values
+
+
 def nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[..., 2L] codes (their low four bits) -> [..., L] bytes: the first half low, the second high."""
     c = codes.to(torch.uint8) & 0xF
