@@ -105,12 +105,13 @@ class StepReporter:
     def __init__(self, enabled: bool = True, unit: str = "step"):
         self.enabled, self.unit, self.open = enabled, unit, {}
 
-    def __call__(self, label: str, done: int, total: int, note: str = "") -> None:
-        """``done`` of ``total``; the first call for a label starts its clock (call it with the
-        count already done, 0 or a resumed count, before the work starts)."""
+    def __call__(self, label: str, done: int, total: int, note: str = "", unit: str | None = None) -> None:
+        """``done`` of ``total`` (in ``unit``, default the reporter's); the first call for a label
+        starts its clock (call it with the count already done, 0 or a resumed count, before the
+        work starts)."""
         steps = self.open.get(label)
         if steps is None:
-            steps = self.open[label] = Steps(label, total, self.unit, self.enabled, done=done)
+            steps = self.open[label] = Steps(label, total, unit or self.unit, self.enabled, done=done)
         steps.update(done, note)
         if done >= total:
             self.open.pop(label).close()

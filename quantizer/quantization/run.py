@@ -32,8 +32,9 @@ class Progress:
     def say(self, message: str) -> None:
         """A progress line."""
 
-    def step(self, what: str, done: int, total: int, note: str = "") -> None:
-        """``done`` of ``total`` units of ``what`` (layers) are finished; ``note``: how the last went."""
+    def step(self, what: str, done: int, total: int, note: str = "", unit: str | None = None) -> None:
+        """``done`` of ``total`` units of ``what`` (layers, or ``unit``: "B" for bytes) are finished;
+        ``note``: how the last went."""
 
     def note(self, message: str) -> None:
         """A choice the plan made that the user did not ask for."""
@@ -93,7 +94,7 @@ def _quantize(request: QuantizeRequest, progress: Progress, ranks: Ranks) -> Qua
         return _run_streamed(plan, req, inputs, progress)
 
     if fmt.single_file and ranks.is_main:
-        report = run_single_file(plan, request, inputs, run_folder)
+        report = run_single_file(plan, request, inputs, run_folder, progress)
     elif fmt.single_file:
         from .single_file import blocks_dir
 

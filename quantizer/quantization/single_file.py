@@ -30,8 +30,9 @@ def check_file_name(out: Path, suffix: str, title: str, option: str = "--out") -
 
 
 def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: list[Path],
-                    run_folder: Callable[[QuantizeRequest], QuantizeReport]) -> QuantizeReport:
-    """``run_folder`` writes the blocks folder for a request; then the file is assembled from it."""
+                    run_folder: Callable[[QuantizeRequest], QuantizeReport], progress) -> QuantizeReport:
+    """``run_folder`` writes the blocks folder for a request; then the file is assembled from it,
+    its bytes told to ``progress`` (a :class:`.run.Progress`) as they are written."""
     from ..formats.gguf.write import is_int4q_gguf, write_from_blocks
 
     out = Path(request.out)
@@ -43,7 +44,8 @@ def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: li
             target = check_output_file(out, request.overwrite, inputs, is_int4q_gguf)
             tmp = partial_dir(target)  # a file here: the same hidden name beside the target
             try:
-                write_from_blocks(plan, CheckpointReader(folder), tmp)
+                write_from_blocks(plan, CheckpointReader(folder), tmp,
+                                  lambda done, total: progress.step(f"write {out.name}", done, total, unit="B"))
                 tmp.replace(target)
             except OSError as e:
                 if e.errno is None:  # numpy's short write: the device filled up

@@ -293,3 +293,20 @@ def test_verify_names_a_changed_int4q_config_in_one_line(source, tmp_path, damag
     result = run("verify", out)
     assert result.exit_code == 1 and "int4q.quantization_config is not" in result.stdout
     assert "internal error" not in result.output
+
+
+def test_the_files_writing_is_reported_in_bytes_up_to_all_its_tensors(source, tmp_path):
+    from quantizer.api import quantize
+    from quantizer.quantization.run import Progress
+
+    steps = []
+
+    class Recorded(Progress):
+        def step(self, what, done, total, note="", unit=None):
+            steps.append((what, done, total, unit))
+
+    quantize(source, tmp_path / "m.gguf", format="gguf", progress=Recorded())
+    total = steps[0][2]
+    assert [s[1] for s in steps] == sorted(s[1] for s in steps) and steps[0][1] == 0 and steps[-1][1] == total
+    assert {(what, t, unit) for what, _, t, unit in steps} == {("write m.gguf", total, "B")}
+    assert total == sum(int(t.n_bytes) for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors)

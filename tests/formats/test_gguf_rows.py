@@ -20,21 +20,46 @@ def row_map(*shapes):
 def test_a_row_permutation_of_one_weight_is_followed(n, k, seed):
     rm = row_map((7, k), (n, k))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    assert [(name, rows.tolist()) for name, rows in rm.rows("x", rm.index("w1")[perm])] == [("w1", perm.tolist())]
+    runs = rm.rows("x", rm.tagged("w1")[perm], rm.positions("w1")[perm])
+    assert [(name, rows.tolist()) for name, rows in runs] == [("w1", perm.tolist())]
+
+
+def test_llamas_query_permutation_is_followed_through_reshapes():
+    heads, n, k = 4, 32, 64
+    rm = row_map((n, k))
+
+    def permute(w):  # convert_hf_to_gguf's LlamaModel.permute
+        return w.reshape(heads, 2, n // heads // 2, k).swapaxes(1, 2).reshape(n, k)
+
+    expected = permute(torch.arange(n, dtype=torch.float64)[:, None].expand(n, k))[:, 0]
+    runs = rm.rows("x", permute(rm.tagged("w0")), permute(rm.positions("w0")))
+    assert [(name, rows.tolist()) for name, rows in runs] == [("w0", expected.long().tolist())]
 
 
 def test_stacked_weights_give_one_run_each_in_output_order():
     rm = row_map((3, 32), (3, 32))
-    stacked = torch.stack([rm.index("w1"), rm.index("w0")])  # [2, 3, 32], as experts are stacked
-    assert [(name, rows.tolist()) for name, rows in rm.rows("x", stacked)] == [("w1", [0, 1, 2]), ("w0", [0, 1, 2])]
+    def stack(index):  # [2, 3, 32], as experts are stacked
+        return torch.stack([index("w1"), index("w0")])
+
+    runs = rm.rows("x", stack(rm.tagged), stack(rm.positions))
+    assert [(name, rows.tolist()) for name, rows in runs] == [("w1", [0, 1, 2]), ("w0", [0, 1, 2])]
 
 
 @pytest.mark.parametrize("change", [
     lambda t: t.flip(-1),  # columns reordered
     lambda t: t.t().contiguous(),  # transposed
-    lambda t: t.to(torch.float32) * 2,  # values changed
+    lambda t: t * 2,  # values scaled
+    lambda t: t + 1,  # values shifted
+    lambda t: (t + t.roll(1, 0)) / 2,  # rows mixed
+    lambda t: t.to(torch.float32).to(torch.float64),  # precision lost
+    lambda t: t.reshape(128, 32),  # rows split
 ])
 def test_a_transform_that_is_not_a_row_reordering_is_refused(change):
     rm = row_map((64, 64))
     with pytest.raises(InputError, match="only place its blocks on whole rows"):
-        rm.rows("blk.0.x.weight", change(rm.index("w0")).to(torch.float64))
+        rm.rows("blk.0.x.weight", change(rm.tagged("w0")), change(rm.positions("w0")))
+
+
+def test_the_index_tensors_of_a_weight_take_no_memory_until_a_transform_copies_them():
+    rm = row_map((1 << 20, 1 << 16))  # 2**36 elements: 512 GiB were they real fp64 tensors
+    assert [(name, len(rows)) for name, rows in rm.rows("x", rm.tagged("w0"), rm.positions("w0"))] == [("w0", 1 << 20)]

@@ -134,12 +134,22 @@ def encode_q8(cq: ChannelQuantized) -> torch.Tensor:
     return torch.cat([fp16_bytes(cq.scale.unsqueeze(-1)), codes], dim=-1).reshape(n, -1)
 
 
+ENCODE_ROWS = 4096
+"""Rows encoded at a time: the encoders' transients stay a few MB whatever the weight's size."""
+
+
 def encode(quantized: GroupQuantized | ChannelQuantized, kind: BlockType) -> torch.Tensor:
     """One module's blocks, row by row: uint8 [N, kind.row_bytes(K)]."""
-    encoder = K_ENCODERS.get(kind.name) or I_ENCODERS.get(kind.name)
-    if encoder:
+    encoder = K_ENCODERS.get(kind.name) or I_ENCODERS.get(kind.name) or (
+        encode_q8 if kind is Q8_0 else lambda q: encode_legacy(q, kind))
+    n, k = quantized.codes.shape
+    if n <= ENCODE_ROWS:
         return encoder(quantized)
-    return encode_q8(quantized) if kind is Q8_0 else encode_legacy(quantized, kind)
+    out = torch.empty(n, kind.row_bytes(k), dtype=torch.uint8)
+    for start in range(0, n, ENCODE_ROWS):
+        rows = slice(start, start + ENCODE_ROWS)
+        out[rows] = encoder(quantized.rows(rows))
+    return out
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ...io.checkpoint import CheckpointReader, read_config
 from .assemble import INT4Q_CONFIG_KEY, QuantizedWeight, write_gguf
@@ -26,13 +27,14 @@ def quantized_weights(plan, blocks: CheckpointReader) -> dict[str, QuantizedWeig
     return weights
 
 
-def write_from_blocks(plan, blocks: CheckpointReader, out_file: Path) -> list[str]:
+def write_from_blocks(plan, blocks: CheckpointReader, out_file: Path,
+                      written: Callable[[int, int], None] | None = None) -> list[str]:
     """Write ``out_file`` for ``plan`` from its finished blocks folder; the names of the GGUF
-    tensors holding int4q's blocks."""
+    tensors holding int4q's blocks. ``written(done, total)``: bytes of tensors written so far."""
     weights = quantized_weights(plan, blocks)
     qconfig = read_config(blocks.dir)["quantization_config"]
     file_type = plan.format.file_type(plan.options.symmetric)
-    return write_gguf(plan.model_dir, plan.source_config, weights, out_file, file_type, qconfig)
+    return write_gguf(plan.model_dir, plan.source_config, weights, out_file, file_type, qconfig, written)
 
 
 def is_int4q_gguf(path: Path) -> bool:
