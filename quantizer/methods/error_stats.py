@@ -23,6 +23,12 @@ class ErrorStats:
         if err.numel():
             self.max_abs_err = max(self.max_abs_err, err.abs().max().item())
 
+    def add_sums(self, signal: float, noise: float, max_abs_err: float) -> None:
+        """Add a chunk given by its sums of squared values and errors and its largest absolute error."""
+        self.signal += signal
+        self.noise += noise
+        self.max_abs_err = max(self.max_abs_err, max_abs_err)
+
     @property
     def snr_db(self) -> float:
         if self.noise == 0:

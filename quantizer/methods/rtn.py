@@ -12,24 +12,31 @@ from ..schema.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .grid import (
     BF16,
-    ROW_CHUNK,
     ChannelQuantized,
     GroupQuantized,
     Storage,
     quantize_groupwise,
     quantize_per_channel,
 )
+from .minmax import minmax_rtn
+
+CHUNK_ELEMENTS = 1 << 21
+"""Weights per row chunk: each fp32 transient 8 MB, whatever the weight's width."""
 
 
 def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, storage: Storage = BF16,
                  column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
     """Round-to-nearest on the scheme's grid (groups of 4 to 6 bits, or 8-bit channels), in row chunks
-    written into one result (no concatenated copies); the error statistics against ``weight``.
+    of :data:`CHUNK_ELEMENTS` written into one result (no concatenated copies); the error statistics
+    against ``weight``.
     ``column_weights`` [K]: 4-bit grids chosen by the weighted search (see grid.quantize_groupwise)."""
+    if _one_pass(weight, scheme, clip_search, storage, column_weights):
+        return minmax_rtn(weight, scheme.group_size, scheme.symmetric)
     stats = ErrorStats()
     out = None
-    for start in range(0, weight.shape[0], ROW_CHUNK):
-        rows = weight[start:start + ROW_CHUNK]
+    step = max(1, CHUNK_ELEMENTS // max(weight.shape[1], 1))
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start:start + step]
         if scheme.bits == 8:
             part = quantize_per_channel(rows, storage)
         else:
@@ -40,8 +47,16 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
             out = dataclasses.replace(part, **{name: torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype,
                                                                  device=t.device) for name, t in _tensors(part)})
         for name, t in _tensors(part):
-            getattr(out, name)[start:start + ROW_CHUNK] = t
+            getattr(out, name)[start:start + step] = t
     return out, stats
+
+
+def _one_pass(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool, storage: Storage,
+              column_weights: torch.Tensor | None) -> bool:
+    """Whether :func:`.minmax.minmax_rtn` gives this weight's result: bf16 min/max grids of a bf16 weight."""
+    return (scheme.bits == 4 and storage == BF16 and not clip_search and column_weights is None
+            and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % scheme.group_size == 0)
 
 
 def _tensors(q: GroupQuantized | ChannelQuantized) -> list[tuple[str, torch.Tensor]]:

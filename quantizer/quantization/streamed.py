@@ -4,6 +4,7 @@ written at a time, so memory stays at about the largest tensor whatever the mode
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -11,7 +12,7 @@ import torch
 
 from ..errors import InputError
 from ..io.shards import ShardWriter
-from ..memory import release_free_memory
+from ..memory import heap_kept
 from ..methods import UNCALIBRATED, get_method
 from ..methods.grid import ROW_CHUNK
 from ..methods.rtn import RtnSettings
@@ -20,11 +21,12 @@ from .planning import QuantizationPlan
 from .report import finish_output, module_entry
 
 ProgressFn = Callable[[str, int], None]
-TRIM_EVERY_BYTES = 512 * 1000**2  # trimming after every tensor costs more than it frees
 
 
 def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> None:
     """InputError when a weight about to be quantized holds NaN or infinite values."""
+    if not weight.numel() or all(bool(torch.isfinite(t)) for t in torch.aminmax(weight)):  # NaN, inf show in the extremes
+        return
     bad = sum(int((~torch.isfinite(rows)).sum()) for rows in weight.split(ROW_CHUNK))  # bounded transients
     if bad:
         raise InputError(f"{plan.targets[module]} holds {bad} NaN or infinite values, which no grid can hold; fix the "
@@ -43,6 +45,11 @@ def quantize_module(plan: QuantizationPlan, module: str, weight: torch.Tensor) -
     return tensors, module_entry(plan.targets[module], weight.shape, tensors, stats)
 
 
+def _write_all(writer: ShardWriter, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        writer.add(name, t)
+
+
 def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn | None = None) -> dict:
     """Stream every tensor of the plan into ``out_dir`` (which must exist and be empty).
 
@@ -55,20 +62,20 @@ def run_quantization(plan: QuantizationPlan, out_dir: Path, progress: ProgressFn
     if progress:
         for name in sorted(plan.dropped):
             progress(name, plan.reader.infos[name].nbytes)
-    since_trim = 0
-    for info, modules in plan.reading_order():
-        tensor = plan.reader.get(info.name)
-        if not modules:
-            writer.add(info.name, tensor)
-        for module in modules:
-            tensors, per_tensor[module] = quantize_module(plan, module, tensor)
-            for name, t in tensors.items():
-                writer.add(name, t)
-        del tensor
-        since_trim += info.nbytes
-        if since_trim >= TRIM_EVERY_BYTES:  # freed tensors go back to the OS: the heap cannot creep
-            release_free_memory()
-            since_trim = 0
-        if progress:
-            progress(info.name, info.nbytes)
+    with heap_kept(), ThreadPoolExecutor(1, thread_name_prefix="int4q-write") as background:
+        written = None  # the previous source tensor's writes, on the background thread while this one computes
+        for info, modules in plan.reading_order():
+            tensor = plan.reader.get(info.name)
+            outputs = {} if modules else {info.name: tensor}
+            for module in modules:
+                tensors, per_tensor[module] = quantize_module(plan, module, tensor)
+                outputs.update(tensors)
+            del tensor
+            if written is not None:
+                written.result()
+            written = background.submit(_write_all, writer, outputs)
+            if progress:
+                progress(info.name, info.nbytes)
+        if written is not None:
+            written.result()
     return finish_output(plan, out_dir, writer.finish(), per_tensor, start)

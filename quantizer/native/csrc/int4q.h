@@ -1,5 +1,5 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
- * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, decode_attention.c,
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, rtn_minmax.c, decode_attention.c,
  * causal_attention.c) to
  * their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp,
  * attention_ops.cpp), and the vector paths they choose between at run time. The sources may be
@@ -124,6 +124,8 @@ void int4q_refine_codes(int16_t *codes, const float *step, float *pull, const fl
 
 void int4q_grid_scores(const float *x, const float *w, const float *scale, const float *zero, float *out,
                        int64_t groups, int64_t group, int64_t first, int64_t last, int64_t top);
+void int4q_rtn_minmax(const uint16_t *w, uint8_t *codes, uint16_t *scale, uint16_t *zero, double *stats, int64_t k,
+                      int64_t group, int64_t first, int64_t last, int symmetric);
 
 int int4q_dequant_level(void);
 void int4q_dequant_int4pack(const uint8_t *pack, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
