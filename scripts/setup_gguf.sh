@@ -3,7 +3,7 @@
 # and its gguf-py writer), taken from the llama-cpp-python source distribution on PyPI, into
 # .venv/share/int4q/llama.cpp; its gguf-py replaces PyPI's gguf in .venv (the converter needs its
 # own). With --build, also llama.cpp's tools (llama-completion, -quantize, -imatrix, -perplexity,
-# -bench) in .venv/share/int4q/llama.cpp/build/bin, for the tests that run the files and the bench;
+# -bench, -embedding) in .venv/share/int4q/llama.cpp/build/bin, for the tests that run the files and the bench;
 # with --build-portable, the same tools built without -march=native in build-portable/bin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +25,10 @@ $PIP install --no-deps "$DEST/gguf-py" 'sentencepiece>=0.2' 'numpy>=1.26'
 build() {  # build folder, then cmake's CPU options
     local dir="$DEST/$1" log="$DEST/$1.log"
     shift
-    TOOLS="llama-completion llama-quantize llama-imatrix llama-perplexity llama-bench"
+    TOOLS="llama-completion llama-quantize llama-imatrix llama-perplexity llama-bench llama-embedding"
     {
         cmake -S "$DEST" -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" \
-            -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+            -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
         # shellcheck disable=SC2086
         cmake --build "$dir" -j "$(nproc)" --target $TOOLS
     } > "$log" 2>&1 || { tail -40 "$log" >&2; echo "building llama.cpp failed; the whole log: $log" >&2; exit 1; }

@@ -129,16 +129,28 @@ def build_config(config_dict: dict):
         raise InputError(f"config.json is not a valid {model_type!r} config ({detail}); fix config.json") from None
 
 
+def is_base_model(config_dict: dict) -> bool:
+    """True where config.json's architectures names its model type's base model (``Qwen2Model``,
+    ``Gemma3TextModel``: no head, tensors without the causal LM's ``model.`` prefix), as base and
+    embedding models ship."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    archs = config_dict.get("architectures") or [None]
+    return archs[0] is not None and archs[0] == MODEL_MAPPING_NAMES.get(config_dict.get("model_type"))
+
+
 def build_empty_model(config_dict: dict) -> torch.nn.Module:
-    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU."""
+    """The architecture with parameters on the meta device and buffers (rotary tables) on the CPU:
+    the causal LM, or the base model where config.json names it (:func:`is_base_model`)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     config = build_config(config_dict)
+    base = is_base_model(config_dict)
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model = (AutoModel if base else AutoModelForCausalLM).from_config(config, dtype=torch.bfloat16)
         except ValueError as e:
             raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
     return model.eval()

@@ -73,8 +73,12 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True,
     reader = CheckpointReader(path)
     check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
     model = build_empty_model(config)
-    _load_generation_config(model, path)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None:
+        arch = (config.get("architectures") or ["this architecture"])[0]
+        raise InputError(f"{path} is a base model ({arch}, no head), and int4q's runtime runs causal LMs; load it "
+                         "with transformers' AutoModel, or quantize it with --format gguf for llama.cpp")
+    _load_generation_config(model, path)
     tied = tie_word_embeddings(config) and head is not None
     quantized_set = install_quantized_modules(model, reader, qc, tied, activations)
     for name, info in reader.infos.items():
