@@ -2,7 +2,7 @@
 of a published model of the same architecture, and seeded random bf16 weights.
 
     .venv/bin/python benchmarks/make_shaped_model.py --like models/qwen2.5-coder-1.5b-bf16 \
-        --shape qwen2.5-7b --out /tmp/qwen2.5-7b-shaped [--shard-gb 5]
+        --shape qwen2.5-7b --out /tmp/qwen2.5-7b-shaped [--shard-gb 5] [--layers N]
 
 Weights are N(0, 0.02) (norms 1), written one tensor at a time into sharded safetensors with an
 index, so the builder's memory is the largest tensor's. The tokenizer files are copied from
@@ -80,10 +80,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shard-gb", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, help="fewer decoder layers than the shape's, to time a few of them")
     a = p.parse_args()
     if a.out.exists():
         sys.exit(f"{a.out} exists; give a new folder")
-    write_shaped_model(a.like, SHAPES[a.shape], a.out, int(a.shard_gb * 1e9), a.seed)
+    shape = {**SHAPES[a.shape], **({"num_hidden_layers": a.layers, "max_window_layers": a.layers} if a.layers else {})}
+    write_shaped_model(a.like, shape, a.out, int(a.shard_gb * 1e9), a.seed)
     print(a.out)
 
 

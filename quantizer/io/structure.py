@@ -152,7 +152,8 @@ def build_empty_model(config_dict: dict) -> torch.nn.Module:
         try:
             model = (AutoModel if base else AutoModelForCausalLM).from_config(config, dtype=torch.bfloat16)
         except ValueError as e:
-            raise UnsupportedError(f"transformers has no causal LM for this config ({str(e).splitlines()[0]})") from None
+            kind = "base model" if base else "causal LM"
+            raise UnsupportedError(f"transformers has no {kind} for this config ({str(e).splitlines()[0]})") from None
     return model.eval()
 
 

@@ -25,7 +25,7 @@ ProgressFn = Callable[[str, int], None]
 
 def refuse_non_finite(plan: QuantizationPlan, module: str, weight: torch.Tensor) -> None:
     """InputError when a weight about to be quantized holds NaN or infinite values."""
-    if not weight.numel() or all(bool(torch.isfinite(t)) for t in torch.aminmax(weight)):  # NaN, inf show in the extremes
+    if not weight.numel() or all(bool(torch.isfinite(t)) for t in torch.aminmax(weight)):  # NaN, inf are extremes
         return
     bad = sum(int((~torch.isfinite(rows)).sum()) for rows in weight.split(ROW_CHUNK))  # bounded transients
     if bad:

@@ -38,8 +38,8 @@ void grid_scores(const at::Tensor &x, const at::Tensor &weights, const at::Tenso
     });
 }
 
-// w bf16 [n, k] (k a multiple of group, itself of 8); codes uint8 [n, k], scale and zero bf16 [n, k / group], stats fp64
-// [n, 3] written; all contiguous. Rows are split between ATen's threads.
+// w bf16 [n, k] (k a multiple of group, itself of 8); codes uint8 [n, k], scale and zero bf16 [n, k / group],
+// stats fp64 [n, 3] written; all contiguous. Rows are split between ATen's threads.
 void rtn_minmax(const at::Tensor &w, int64_t group, bool symmetric, const at::Tensor &codes, const at::Tensor &scale,
                 const at::Tensor &zero, const at::Tensor &stats) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && group > 0 &&

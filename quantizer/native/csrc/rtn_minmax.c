@@ -4,8 +4,8 @@
  * bf16; the nearest codes on that stored grid (a scale of 0 takes code 8); and per row the error
  * statistics of the fp32 values (q - 8) * scale + zero: the sum of squared weights, the sum of
  * squared errors (both fp64, element j of a row into lane j % 8 in order, the lanes then pairwise;
- * groups are multiples of 8)
- * and the largest absolute error.
+ * groups are multiples of 8) and the largest absolute error. The AVX-512 path takes the same
+ * operations in the same order, so both write the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -116,7 +116,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void minmax_avx512(
                 hi = highs[l] > hi ? highs[l] : hi;
             }
             stored_grid(lo, hi, symmetric, scale + i * groups + gi, zero + i * groups + gi);
-            const float s1 = int4q_bf16_to_float(scale[i * groups + gi]), z1 = int4q_bf16_to_float(zero[i * groups + gi]);
+            const float s1 = int4q_bf16_to_float(scale[i * groups + gi]);
+            const float z1 = int4q_bf16_to_float(zero[i * groups + gi]);
             const __m256 s = _mm256_set1_ps(s1), z = _mm256_set1_ps(z1), safe = _mm256_set1_ps(s1 == 0.0f ? 1.0f : s1);
             for (int64_t j0 = 0; j0 < group; j0 += LANES) {
                 const __m256 v = eight(wg + j0);
