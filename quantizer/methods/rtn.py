@@ -12,6 +12,7 @@ from ..schema.scheme import ModuleScheme
 from .error_stats import ErrorStats
 from .grid import (
     BF16,
+    ROW_CHUNK,
     ChannelQuantized,
     GroupQuantized,
     Storage,
@@ -20,34 +21,35 @@ from .grid import (
 )
 from .minmax import minmax_rtn
 
-CHUNK_ELEMENTS = 1 << 21
-"""Weights per row chunk: each fp32 transient 8 MB, whatever the weight's width."""
+STATS_ELEMENTS = 1 << 21
+"""Weights per slice of the error statistics: each fp32 transient 8 MB, whatever the weight's width
+(a 7B down projection's row chunk is 77 M weights)."""
 
 
 def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool = False, storage: Storage = BF16,
                  column_weights: torch.Tensor | None = None) -> tuple[GroupQuantized | ChannelQuantized, ErrorStats]:
     """Round-to-nearest on the scheme's grid (groups of 4 to 6 bits, or 8-bit channels), in row chunks
-    of :data:`CHUNK_ELEMENTS` written into one result (no concatenated copies); the error statistics
-    against ``weight``.
+    written into one result (no concatenated copies); the error statistics against ``weight``.
     ``column_weights`` [K]: 4-bit grids chosen by the weighted search (see grid.quantize_groupwise)."""
     if _one_pass(weight, scheme, clip_search, storage, column_weights):
         return minmax_rtn(weight, scheme.group_size, scheme.symmetric)
     stats = ErrorStats()
     out = None
-    step = max(1, CHUNK_ELEMENTS // max(weight.shape[1], 1))
-    for start in range(0, weight.shape[0], step):
-        rows = weight[start:start + step]
+    for start in range(0, weight.shape[0], ROW_CHUNK):
+        rows = weight[start:start + ROW_CHUNK]
         if scheme.bits == 8:
             part = quantize_per_channel(rows, storage)
         else:
             part = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
                                       storage=storage, column_weights=column_weights)
-        stats.add(rows, part.dequantize())
+        step = max(1, STATS_ELEMENTS // max(weight.shape[1], 1))
+        for first in range(0, rows.shape[0], step):
+            stats.add(rows[first:first + step], part.rows(slice(first, first + step)).dequantize())
         if out is None:
             out = dataclasses.replace(part, **{name: torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype,
                                                                  device=t.device) for name, t in _tensors(part)})
         for name, t in _tensors(part):
-            getattr(out, name)[start:start + step] = t
+            getattr(out, name)[start:start + ROW_CHUNK] = t
     return out, stats
 
 

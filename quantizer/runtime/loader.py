@@ -79,7 +79,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True,
         raise InputError(f"{path} is a base model ({arch}, no head), and int4q's runtime runs causal LMs; load it "
                          "with transformers' AutoModel, or quantize it with --format gguf for llama.cpp")
     _load_generation_config(model, path)
-    tied = tie_word_embeddings(config) and head is not None
+    tied = tie_word_embeddings(config)
     quantized_set = install_quantized_modules(model, reader, qc, tied, activations)
     for name, info in reader.infos.items():
         if not is_quantized_tensor(name, quantized_set):

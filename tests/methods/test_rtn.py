@@ -12,7 +12,8 @@ def test_row_chunks_give_the_whole_tensor_result(monkeypatch):
 
     w = torch.randn(100, 64).to(torch.bfloat16).float()  # an fp32 weight: the chunked loop
     whole, stats = quantize_rtn(w, ModuleScheme(4, 32, False))
-    monkeypatch.setattr(rtn, "CHUNK_ELEMENTS", 16 * 64)
+    monkeypatch.setattr(rtn, "ROW_CHUNK", 16)
+    monkeypatch.setattr(rtn, "STATS_ELEMENTS", 5 * 64)
     chunked, chunked_stats = quantize_rtn(w, ModuleScheme(4, 32, False))
     assert all(torch.equal(a, b) for a, b in zip((whole.codes, whole.scale, whole.zero),
                                                   (chunked.codes, chunked.scale, chunked.zero)))
