@@ -215,8 +215,11 @@ class _ShownProgress:
     def advance(self, nbytes: int) -> None:
         self.bytes.update(self.bytes.done + nbytes)
 
-    def step(self, what: str, done: int, total: int, note: str = "", unit: str | None = None) -> None:
-        self.steps(what, done, total, note, unit)
+    def step(self, what: str, done: int, total: int, note: str = "") -> None:
+        self.steps(what, done, total, note)
+
+    def wrote(self, what: str, done: int, total: int) -> None:
+        self.steps(what, done, total, unit="B")
 
     def say(self, message: str) -> None:
         if self.enabled:

@@ -32,9 +32,11 @@ class Progress:
     def say(self, message: str) -> None:
         """A progress line."""
 
-    def step(self, what: str, done: int, total: int, note: str = "", unit: str | None = None) -> None:
-        """``done`` of ``total`` units of ``what`` (layers, or ``unit``: "B" for bytes) are finished;
-        ``note``: how the last went."""
+    def step(self, what: str, done: int, total: int, note: str = "") -> None:
+        """``done`` of ``total`` units of ``what`` (layers) are finished; ``note``: how the last went."""
+
+    def wrote(self, what: str, done: int, total: int) -> None:
+        """``done`` of ``total`` bytes of ``what`` (a file) are written."""
 
     def note(self, message: str) -> None:
         """A choice the plan made that the user did not ask for."""

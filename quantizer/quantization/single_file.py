@@ -45,7 +45,7 @@ def run_single_file(plan: QuantizationPlan, request: QuantizeRequest, inputs: li
             tmp = partial_dir(target)  # a file here: the same hidden name beside the target
             try:
                 write_from_blocks(plan, CheckpointReader(folder), tmp,
-                                  lambda done, total: progress.step(f"write {out.name}", done, total, unit="B"))
+                                  lambda done, total: progress.wrote(f"write {out.name}", done, total))
                 tmp.replace(target)
             except OSError as e:
                 if e.errno is None:  # numpy's short write: the device filled up

@@ -1,5 +1,6 @@
-"""Round-to-nearest over a whole checkpoint, streamed: one source tensor is read, quantized and
-written at a time, so memory stays at about the largest tensor whatever the model's size."""
+"""Round-to-nearest over a whole checkpoint, streamed: one source tensor is read and quantized at a
+time while the previous one's outputs are written, so memory stays at about the largest tensor's
+whatever the model's size."""
 
 from __future__ import annotations
 

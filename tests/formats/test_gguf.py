@@ -302,8 +302,8 @@ def test_the_files_writing_is_reported_in_bytes_up_to_all_its_tensors(source, tm
     steps = []
 
     class Recorded(Progress):
-        def step(self, what, done, total, note="", unit=None):
-            steps.append((what, done, total, unit))
+        def wrote(self, what, done, total):
+            steps.append((what, done, total, "B"))
 
     quantize(source, tmp_path / "m.gguf", format="gguf", progress=Recorded())
     total = steps[0][2]

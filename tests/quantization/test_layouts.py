@@ -26,7 +26,8 @@ SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=256)
 BASES = {
     "llama": ("LlamaConfig", dict(SMALL, tie_word_embeddings=True)),
-    # six layers: llama.cpp's gemma-embedding takes every sixth layer as the global one
+    # six layers: llama.cpp's gemma-embedding takes Gemma's pattern of one global layer in six, and with
+    # two its llama-embedding aborts on the converter's own bf16 file too
     "gemma3": ("Gemma3TextConfig", dict(SMALL, head_dim=16, sliding_window=16, tie_word_embeddings=True,
                                          num_hidden_layers=6)),
 }
