@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..native.checked import CheckedKernel
+from .candidates import lane_sum
 from .error_stats import ErrorStats
 from .grid import BF16, ROW_CHUNK, GroupQuantized, quantize_groupwise
-
-LANES = 8
 
 
 def minmax_rtn(weight: torch.Tensor, group_size: int, symmetric: bool) -> tuple[GroupQuantized, ErrorStats]:
@@ -47,15 +46,8 @@ def torch_minmax(weight: torch.Tensor, group_size: int, symmetric: bool, codes: 
 
 
 def _lane_sum(terms: torch.Tensor) -> torch.Tensor:
-    """[n, K] summed per row as the kernel sums: element j into lane j % 8 in order, then the lanes pairwise."""
-    n, k = terms.shape
-    lanes = torch.nn.functional.pad(terms, (0, -k % LANES)).reshape(n, -1, LANES)
-    acc = torch.zeros(n, LANES, dtype=terms.dtype)
-    for i in range(lanes.shape[1]):
-        acc = acc + lanes[:, i]
-    while acc.shape[-1] > 1:
-        acc = acc[:, 0::2] + acc[:, 1::2]
-    return acc[:, 0]
+    """[n, K] summed per row as the kernel sums (:func:`.candidates.lane_sum`'s order) -> [n]."""
+    return lane_sum(terms.unsqueeze(-1))[..., 0]
 
 
 def _operator(library):

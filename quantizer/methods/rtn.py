@@ -35,6 +35,7 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
         return minmax_rtn(weight, scheme.group_size, scheme.symmetric)
     stats = ErrorStats()
     out = None
+    step = max(1, STATS_ELEMENTS // max(weight.shape[1], 1))
     for start in range(0, weight.shape[0], ROW_CHUNK):
         rows = weight[start:start + ROW_CHUNK]
         if scheme.bits == 8:
@@ -42,7 +43,6 @@ def quantize_rtn(weight: torch.Tensor, scheme: ModuleScheme, clip_search: bool =
         else:
             part = quantize_groupwise(rows, scheme.group_size, symmetric=scheme.symmetric, clip_search=clip_search,
                                       storage=storage, column_weights=column_weights)
-        step = max(1, STATS_ELEMENTS // max(weight.shape[1], 1))
         for first in range(0, rows.shape[0], step):
             stats.add(rows[first:first + step], part.rows(slice(first, first + step)).dequantize())
         if out is None:
