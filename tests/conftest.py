@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,18 @@ def kernel_layout_problem(rows: int, blocks: int, groups: int, group_size: int, 
     k = codes.shape[1]
     x = torch.randn(rows, k, generator=gen) * 2.0 ** torch.randint(-3, 3, (rows, k), generator=gen)
     return x.to(torch.bfloat16), int4pack, sz, (codes, scale, zero)
+
+
+@contextmanager
+def vector_level(level):
+    """The native kernels limited to a vector path: 0 plain C, 1 AVX2 or AVX-512 without BF16, 2
+    every path (each where the CPU has it)."""
+    ops = torch.ops.int4q_native
+    previous = ops.limit_level(level)
+    try:
+        yield
+    finally:
+        ops.limit_level(previous)
 
 
 def at_thread_counts(compute, counts=(1, 2, 3)) -> list:

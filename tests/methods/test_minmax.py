@@ -2,10 +2,9 @@
 both are quantize_groupwise's grids and codes with the error statistics of quantize_rtn's chunked
 loop."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from conftest import vector_level
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,17 +32,6 @@ def written(kernel, w, group, symmetric):
                                                                                       dtype=torch.float64))
     kernel(w, group, symmetric, *out)
     return out
-
-
-@contextmanager
-def vector_level(level):
-    """The native kernels limited to a vector path: 0 plain C, 1 AVX-512 (where the CPU has it)."""
-    ops = torch.ops.int4q_native
-    previous = ops.limit_level(level)
-    try:
-        yield
-    finally:
-        ops.limit_level(previous)
 
 
 @settings(max_examples=40, deadline=None)

@@ -111,12 +111,27 @@ bool causal_attention_available() { return int4q_causal_available() != 0; }
 void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
                        int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
                        int64_t v_step, float scale, uint16_t *out) {
-    const int64_t grain = std::max<int64_t>(1, kTaskProducts / (2 * length * dim));
-    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
-        std::vector<float> scratch(length + 2 * dim);
-        int4q_attend_one(q, k, v, heads, kv_heads, length, dim, k_head_step, k_step, v_head_step, v_step, scale,
-                         scratch.data(), out, first, last);
+    // A task is one part: a cached head's group of query heads over one chunk of positions.
+    const int64_t group = heads / kv_heads, chunks = (length + INT4Q_ATTEND_CHUNK - 1) / INT4Q_ATTEND_CHUNK;
+    const int64_t part_step = dim + 2, task_step = group * part_step;
+    thread_local std::vector<float> reused;  // the caller's: a worker thread's own would be another vector
+    reused.resize(kv_heads * chunks * task_step);
+    float *parts = reused.data();
+    const int64_t part_products = 2 * std::min<int64_t>(length, INT4Q_ATTEND_CHUNK) * dim * group;
+    const int64_t grain = std::max<int64_t>(1, kTaskProducts / part_products);
+    at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t first, int64_t last) {
+        std::vector<float> scratch(group * (dim + INT4Q_ATTEND_CHUNK) + dim);
+        for (int64_t task = first; task < last; task++) {
+            const int64_t head = task / chunks, begin = task % chunks * INT4Q_ATTEND_CHUNK;
+            int4q_attend_part(q + head * group * dim, group, k + head * k_head_step, v + head * v_head_step, begin,
+                              std::min(length, begin + INT4Q_ATTEND_CHUNK), dim, k_step, v_step, scale, scratch.data(),
+                              parts + task * task_step);
+        }
     });
+    std::vector<float> acc(dim);
+    for (int64_t h = 0; h < heads; h++)
+        int4q_attend_merge(parts + h / group * chunks * task_step + h % group * part_step, chunks, task_step,
+                           dim, acc.data(), out + h * dim);
 }
 
 TORCH_LIBRARY_FRAGMENT(int4q_native, m) {

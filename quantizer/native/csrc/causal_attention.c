@@ -55,19 +55,6 @@ BF16 static void score_tile(const uint32_t *q, int64_t q_step, int64_t rows, int
         for (int v = 0; v < 3; v++) _mm512_storeu_ps(s + (r0 + r) * s_step + j0 + 16 * v, acc[r][v]);
 }
 
-/* int4q.h's e^x for x <= 0, sixteen at a time. */
-BF16 static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(INT4Q_EXPF_FLOOR));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(INT4Q_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_HIGH), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_LOW), r);
-    __m512 p = _mm512_set1_ps(int4q_expf_poly[0]);
-    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(int4q_expf_poly[i]));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* Row i's weights from its scores [0, i]: e = exp(scale (s - max)) as bf16(e) into high[0, i] and
  * bf16(e - bf16(e)) into low[0, i], zeros into both up to `width`; returns the fp32 sum of e. */
 BF16 static float weigh_row(const float *s, int64_t i, int64_t width, float scale, uint16_t *high, uint16_t *low) {
@@ -81,7 +68,7 @@ BF16 static float weigh_row(const float *s, int64_t i, int64_t width, float scal
     __m512 sums = _mm512_setzero_ps();
     for (l = 0; l < width; l += 16) {
         const __mmask16 live = l + 16 <= n ? (__mmask16)0xFFFF : l < n ? (__mmask16)((1u << (n - l)) - 1) : 0;
-        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + l),
+        const __m512 e = _mm512_maskz_mov_ps(live, int4q_exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + l),
                                                                                    step, shift)));
         sums = _mm512_add_ps(sums, e);
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);

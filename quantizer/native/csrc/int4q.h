@@ -57,6 +57,19 @@ __attribute__((target("avx2,fma"))) static inline float int4q_sum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* e^x as above for x <= 0, sixteen at a time (for the AVX-512 kernels). */
+__attribute__((target("avx512f"))) static inline __m512 int4q_exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(INT4Q_EXPF_FLOOR));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(INT4Q_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_HIGH), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(INT4Q_LN2_LOW), r);
+    __m512 p = _mm512_set1_ps(int4q_expf_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(int4q_expf_poly[i]));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
 #endif
 
 #ifdef __cplusplus
@@ -92,9 +105,18 @@ void int4q_w4a8_rows(const int8_t *even, const int8_t *odd, const float *xscale,
                      uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
 
 int int4q_attend_vector(int64_t dim);
-void int4q_attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
-                      int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
-                      int64_t v_step, float scale, float *scratch, uint16_t *out, int64_t first, int64_t last);
+#define INT4Q_ATTEND_CHUNK 256 /* positions of a part of int4q_attend_part, at most */
+/* The attention of the group query heads sharing one cached head (q bf16 [group][dim]) over
+ * positions [begin, end), end - begin <= INT4Q_ATTEND_CHUNK; k and v bf16 at k_step and v_step
+ * elements per position. part fp32 [group][dim + 2]: per head its largest score, the sum of its
+ * weights and the weighted sum of values. scratch fp32 [group * (dim + INT4Q_ATTEND_CHUNK) + dim]. */
+void int4q_attend_part(const uint16_t *q, int64_t group, const uint16_t *k, const uint16_t *v, int64_t begin,
+                       int64_t end, int64_t dim, int64_t k_step, int64_t v_step, float scale, float *scratch,
+                       float *part);
+/* One query head's count parts (part_step floats apart) merged and rounded to out bf16 [dim];
+ * acc: scratch fp32 [dim]. */
+void int4q_attend_merge(const float *parts, int64_t count, int64_t part_step, int64_t dim, float *acc,
+                        uint16_t *out);
 
 #define INT4Q_CAUSAL_ROWS 24 /* queries per task of int4q_causal_block */
 #define INT4Q_CAUSAL_KEYS 48 /* positions of the packed keys' stride come in multiples of this */
