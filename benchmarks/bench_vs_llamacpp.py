@@ -1,28 +1,28 @@
-"""int4q against llama.cpp on the same machine, in one process, arms interleaved per rep.
+"""int4q against llama.cpp and its forks on the same machine, in one process, arms interleaved per rep.
 
-Every arm runs the same lengths with the same thread count: pp = one forward over N prompt
-tokens into an empty cache; tg = M single-token steps after a 1-token prompt (llama-bench's
-definitions). int4q arms decode the way ``int4q generate`` does (fast decoder, compiled step);
-llama.cpp arms run through llama-cpp-python, an optional extra (``pip install int4q[bench]``;
-where the CPU advertises AMX that the kernel does not enable, build it with
-``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"``).
+Every arm runs the same lengths with the same thread count (llama-bench's definitions, see
+engines.py): ``--pp N...`` one forward over N prompt tokens into an empty cache; ``--tg M`` single-
+token steps after ``--depth D...`` tokens of context (llama-bench's ``-d``; a fork without it, such
+as ik_llama.cpp, gets ``-gp D,M``, which also times only the M steps). Each rep measures every
+(length, arm) pair in turn, so drift shows in every arm alike; the report gives medians.
 
-    python benchmarks/bench_vs_llamacpp.py --int4 models/g64 --int4 models/g32 --bf16 models/bf16 \\
-        --gguf q4_1=<path> --make-q4_0 --threads 2 --json out.json
+    python benchmarks/bench_vs_llamacpp.py --int4 models/g64 --int8 --gguf q4_0=<path> --no-python-llama \
+        --llama-bench llama=<llama.cpp build>/bin/llama-bench --llama-bench ik=<ik_llama.cpp build>/bin/llama-bench \
+        --bench-flags ik="-rtr 1 -fa 1" --pp 512 2048 --depth 0 2048 4096 8192 --tg 64 --bandwidth --json out.json
 
-With ``--int8`` each int4q checkpoint is also measured with int8 activations (arm ``<name>+int8``;
-the plain arm is exact). ``--llama-bench LABEL=BINARY`` (repeatable) also runs each GGUF through
-that build's own ``llama-bench`` (arm ``<gguf>@<LABEL>``), e.g. the native and the portable builds of
-``scripts/setup_gguf.sh --build`` / ``--build-portable``, so a build choice never hides a faster
-llama.cpp.
+int4q arms: each ``--int4`` with exact activations, and with ``--int8`` also with int8 activations
+(arm ``<name>+int8``; ``--skip-exact`` keeps only those); ``--bf16`` a bf16 checkpoint through the
+same runtime. llama.cpp arms: each ``--gguf`` through llama-cpp-python (the ``bench`` extra;
+``--no-python-llama`` skips it) and through every ``--llama-bench LABEL=BINARY`` (arm
+``<gguf>@<LABEL>``), with that build's ``--bench-flags LABEL="FLAGS"`` (e.g. ik_llama.cpp's best
+CPU settings, ``-rtr 1 -fa 1``; mainline's flash attention defaults to auto). int4q neither ships
+nor builds any of them. ``--make-q4_0`` requantizes the first GGUF to Q4_0.
 
-``--bench-flags LABEL="FLAGS"`` gives that build's runs extra llama-bench flags, e.g. an
-ik_llama.cpp build's best settings on a CPU (``ik="-rtr 1 -fa 1"``); any llama.cpp fork with a
-``llama-bench`` runs this way, found by its path (int4q neither ships nor builds one).
-``--depth D`` decodes after D tokens of context in every arm (llama-bench's ``-d``).
-
-With ``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile
-caches) and warm (reusing what the first run saved).
+``--bandwidth`` measures read bandwidth and reports the fraction each arm's decode reaches: the
+weights a step reads plus the KV cache at the decode's mean position (bf16/f16 keys and values,
+every layer attending to all of it; from the first int4q or bf16 checkpoint's config). With
+``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile caches)
+and warm (reusing what the first run saved).
 """
 
 from __future__ import annotations
@@ -39,115 +39,10 @@ import time
 from pathlib import Path
 
 import torch
+from engines import LlamaBenchArm, LlamaCppArm, TorchArm, make_q4_0
 
-from quantizer.runtime import load_model
 from quantizer.runtime.activations import EXACT, Activations
-from quantizer.runtime.bench import (
-    decode_tokens_per_s,
-    describe_path,
-    load_measured,
-    prefill_tokens_per_s,
-)
-from quantizer.runtime.decode.opening import open_decoder
 from quantizer.runtime.loader import import_architecture
-
-Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
-
-
-class TorchArm:
-    def __init__(self, label: str, path: str, pp: int, tg: int, activations: Activations | None = None,
-                 depth: int = 0):
-        self.model, measured = load_measured(lambda p: load_model(p, activations=activations), path, label)
-        self.rss_mb, self.depth = measured.load_rss_anon_mb, depth
-        started = time.perf_counter()
-        self.decoder = open_decoder(self.model, max(pp, depth, 1) + tg + 1)
-        self.label, self.kind, self.open_s = label, f"int4q ({describe_path(self.decoder)})", time.perf_counter() - started
-
-    def pp(self, n: int) -> float:
-        return prefill_tokens_per_s(self.model, n, self.decoder)
-
-    def tg(self, n: int) -> float:
-        return decode_tokens_per_s(self.model, n, self.decoder, self.depth)
-
-
-class LlamaCppArm:
-    def __init__(self, label: str, path: str, pp: int, tg: int, threads: int, depth: int = 0):
-        import llama_cpp
-
-        def load(gguf):
-            return llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
-                                   n_ctx=max(pp, depth, 1) + tg + 8, n_batch=max(pp, depth, 1), use_mmap=False,
-                                   verbose=False)
-
-        self.llm, measured = load_measured(load, path, label)
-        self.rss_mb = measured.load_rss_anon_mb
-        self.label, self.kind, self.open_s, self.depth = label, "llama.cpp", 0.0, depth
-        self.vocab = self.llm.n_vocab()
-
-    def pp(self, n: int) -> float:
-        tokens = [100 + (i * 7919) % (self.vocab - 200) for i in range(n)]
-        self.llm.reset()
-        start = time.perf_counter()
-        self.llm.eval(tokens)
-        return n / (time.perf_counter() - start)
-
-    def tg(self, n: int) -> float:
-        self.llm.reset()
-        self.llm.eval([100 + (i * 7919) % (self.vocab - 200) for i in range(max(self.depth, 1))])
-        start = time.perf_counter()
-        for i in range(n):
-            self.llm.eval([101 + i])
-        return n / (time.perf_counter() - start)
-
-
-class LlamaBenchArm:
-    """One GGUF through a llama.cpp build's own ``llama-bench`` (a process per rep, one repetition each)."""
-
-    def __init__(self, label: str, binary: str, path: str, threads: int, flags: tuple[str, ...] = (), depth: int = 0):
-        self.label, self.kind = label, f"llama-bench {Path(binary).parent.parent.name}"
-        if flags:
-            self.kind += " " + " ".join(flags)
-        self.open_s, self.rss_mb = 0.0, 0.0
-        self.binary, self.path, self.threads, self.flags, self.depth = binary, path, threads, flags, depth
-        usage = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
-        self.depth_option = "-d" if "-d, --n-depth" in usage else "-gp" if "-gp <pp,tg>" in usage else None
-        if depth and self.depth_option is None:
-            sys.exit(f"{binary} has neither -d nor -gp: it cannot decode at a depth")
-
-    def _run(self, pp: int, tg: int, depth: int = 0) -> float:
-        if depth and self.depth_option == "-gp":  # ik_llama.cpp: tg tokens after a pp-token prompt
-            lengths = ["-p", "0", "-n", "0", "-gp", f"{depth},{tg}"]
-        else:
-            lengths = ["-p", str(pp), "-n", str(tg), *(["-d", str(depth)] if depth else [])]
-        done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), *lengths, *self.flags, "-r", "1",
-                               "-o", "json"], capture_output=True, text=True, check=True)
-        return float(json.loads(done.stdout)[0]["avg_ts"])
-
-    def pp(self, n: int) -> float:
-        return self._run(n, 0)
-
-    def tg(self, n: int) -> float:
-        return self._run(0, n, self.depth)
-
-
-def make_q4_0(source: Path) -> Path:
-    """Requantize a GGUF to Q4_0 with llama.cpp's own quantizer (speed arm: same model, Q4_0 blocks),
-    kept in the temp folder under a name that says which source and which size it came from."""
-    import llama_cpp
-
-    out = Path(tempfile.gettempdir()) / f"int4q-bench-{source.stem}-{source.stat().st_size}.q4_0.gguf"
-    if out.is_file():
-        return out
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = Q4_0_FTYPE
-    params.allow_requantize = True
-    params.nthread = torch.get_num_threads()
-    partial = out.with_suffix(".partial")
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
-        partial.unlink(missing_ok=True)
-        raise SystemExit(f"llama.cpp could not requantize {source}")
-    partial.rename(out)
-    return out
 
 
 def read_bandwidth_gbs(gib: float = 1.0) -> float:
@@ -182,6 +77,16 @@ def decode_bytes_gguf(path: str) -> int:
     return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
+def kv_bytes_per_position(model_dir: str) -> int:
+    """Bytes of keys and values one position adds to a bf16 cache, over every layer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * dim * 2
+
+
 def time_to_first_token(model_dir: str, threads: int) -> dict:
     """``int4q generate --stats`` twice in fresh processes: with empty compile caches, then warm."""
     prompt = ["--prompt", "The capital of France is", "--max-new-tokens", "16", "--threads", str(threads), "--stats"]
@@ -197,22 +102,23 @@ def time_to_first_token(model_dir: str, threads: int) -> dict:
     return runs
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--int4", action="append", default=[], help="int4q checkpoint folder (repeatable)")
     ap.add_argument("--bf16", help="bf16 checkpoint folder, run through the same int4q runtime")
     ap.add_argument("--gguf", action="append", default=[], help="LABEL=PATH of a GGUF for llama.cpp (repeatable)")
     ap.add_argument("--make-q4_0", action="store_true", help="also requantize the first GGUF to Q4_0")
     ap.add_argument("--int8", action="store_true", help="also run each --int4 with int8 activations")
+    ap.add_argument("--skip-exact", action="store_true", help="with --int8: run each --int4 with int8 activations only")
     ap.add_argument("--llama-bench", action="append", default=[],
                     help="LABEL=BINARY: also run every GGUF through this llama.cpp build's llama-bench (repeatable)")
     ap.add_argument("--bench-flags", action="append", default=[],
                     help='LABEL="FLAGS": extra llama-bench flags for that --llama-bench build, e.g. ik="-rtr 1 -fa 1"')
-    ap.add_argument("--depth", type=int, default=0, help="decode after this many tokens of context (llama-bench -d)")
+    ap.add_argument("--depth", type=int, nargs="+", default=[0], help="decode after each of these context lengths")
     ap.add_argument("--no-python-llama", action="store_true",
                     help="run GGUFs only through --llama-bench, not through llama-cpp-python")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--pp", type=int, nargs="+", default=[512], help="prefill lengths (0: none)")
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ttft", action="store_true", help="time cold and warm starts of int4q generate")
@@ -220,65 +126,126 @@ def main() -> None:
                     help="measure read bandwidth and report the fraction each arm's decode reaches")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args.pp = [n for n in args.pp if n > 0]
+    if any(d < 0 for d in args.depth) or args.tg < 1 or args.reps < 1:
+        ap.error("--depth must be >= 0, --tg and --reps >= 1")
+    if args.skip_exact and not args.int8:
+        ap.error("--skip-exact leaves no int4q arm without --int8")
+    return args
 
-    ggufs = [tuple(g.split("=", 1)) for g in args.gguf]
+
+def make_arms(args: argparse.Namespace) -> tuple[list, dict]:
+    """The arms in the order each rep runs them, and the GGUFs by label."""
+    ggufs = dict(g.split("=", 1) for g in args.gguf)
     if args.make_q4_0 and ggufs:
-        ggufs.append(("q4_0", str(make_q4_0(Path(ggufs[0][1])))))
+        ggufs["q4_0"] = str(make_q4_0(Path(next(iter(ggufs.values())))))
     if args.int4 or args.bf16:  # one-time imports and allocations are not charged to the first arm
         import_architecture(args.int4[0] if args.int4 else args.bf16)
-    exact, int8 = EXACT, Activations("int8", "int8")
-    arms = [TorchArm(Path(p).name, p, args.pp, args.tg, exact, args.depth) for p in args.int4]
-    arms += [TorchArm(Path(p).name + "+int8", p, args.pp, args.tg, int8, args.depth) for p in args.int4 if args.int8]
+    longest = max([*args.pp, *args.depth, 1]) + args.tg
+    arms = [] if args.skip_exact else [TorchArm(Path(p).name, p, longest, EXACT) for p in args.int4]
+    if args.int8:
+        arms += [TorchArm(Path(p).name + "+int8", p, longest, Activations("int8", "int8")) for p in args.int4]
     if args.bf16:
-        arms.append(TorchArm("bf16", args.bf16, args.pp, args.tg, depth=args.depth))
+        arms.append(TorchArm("bf16", args.bf16, longest))
     if not args.no_python_llama:
-        arms += [LlamaCppArm(label, path, args.pp, args.tg, args.threads, args.depth) for label, path in ggufs]
-    builds = [tuple(b.split("=", 1)) for b in args.llama_bench]
+        arms += [LlamaCppArm(label, path, longest, args.threads) for label, path in ggufs.items()]
     flags = {label: tuple(shlex.split(text)) for label, text in (f.split("=", 1) for f in args.bench_flags)}
-    arms += [LlamaBenchArm(f"{label}@{build}", binary, path, args.threads, flags.get(build, ()), args.depth)
-             for build, binary in builds for label, path in ggufs]
+    for build, binary in (b.split("=", 1) for b in args.llama_bench):
+        for label, path in ggufs.items():
+            arm = LlamaBenchArm(f"{label}@{build}", binary, path, args.threads, flags.get(build, ()))
+            for depth in args.depth:
+                arm.check_depth(depth)
+            arms.append(arm)
+    return arms, ggufs
+
+
+def measure(arms: list, args: argparse.Namespace) -> dict:
+    """Every arm's tok/s per rep: {label: {"pp": {n: [...]}, "tg": {depth: [...]}}}, arms interleaved."""
     for arm in arms:  # warm-up
-        arm.pp(min(args.pp, 32) or 1)
+        arm.pp(min(args.pp or [32], default=32))
         arm.tg(4)
-    results = {arm.label: {"pp": [], "tg": []} for arm in arms}
+    results = {arm.label: {"pp": {n: [] for n in args.pp}, "tg": {d: [] for d in args.depth}} for arm in arms}
     for rep in range(args.reps):
-        for arm in arms:
-            if args.pp:
-                results[arm.label]["pp"].append(arm.pp(args.pp))
-            results[arm.label]["tg"].append(arm.tg(args.tg))
-            print(f"rep {rep + 1}/{args.reps} {arm.label}: pp {results[arm.label]['pp'][-1] if args.pp else 0:.1f} "
-                  f"tg {results[arm.label]['tg'][-1]:.1f} tok/s", file=sys.stderr)
-    report = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "depth": args.depth, "reps": args.reps,
-              "torch": torch.__version__, "arms": {}}
+        for n in args.pp:
+            for arm in arms:
+                results[arm.label]["pp"][n].append(arm.pp(n))
+                print(f"rep {rep + 1}/{args.reps} {arm.label}: pp{n} {results[arm.label]['pp'][n][-1]:.1f} tok/s",
+                      file=sys.stderr)
+        for depth in args.depth:
+            for arm in arms:
+                results[arm.label]["tg"][depth].append(arm.tg(args.tg, depth))
+                print(f"rep {rep + 1}/{args.reps} {arm.label}: tg{args.tg} at depth {depth} "
+                      f"{results[arm.label]['tg'][depth][-1]:.1f} tok/s", file=sys.stderr)
+    return results
+
+
+def summarize(arms: list, results: dict, args: argparse.Namespace) -> dict:
+    """The report: per arm its medians by length and depth (the first of each also as pp_median and
+    tg_median), and each int4q arm's decode over the best llama.cpp arm's at every depth."""
+    report = {"threads": args.threads, "pp": args.pp[0] if args.pp else 0, "pp_lengths": args.pp, "tg": args.tg,
+              "depths": args.depth, "depth": args.depth[0], "reps": args.reps, "torch": torch.__version__, "arms": {}}
     for arm in arms:
         r = results[arm.label]
+        pp = {n: round(statistics.median(v), 1) for n, v in r["pp"].items()}
+        tg = {d: round(statistics.median(v), 1) for d, v in r["tg"].items()}
         report["arms"][arm.label] = {
-            "kind": arm.kind, "pp_median": round(statistics.median(r["pp"]), 1) if r["pp"] else None,
-            "tg_median": round(statistics.median(r["tg"]), 1), "tg_reps": [round(v, 1) for v in r["tg"]],
+            "kind": arm.kind, "peer": not isinstance(arm, TorchArm), "pp": pp, "tg": tg,
+            "pp_median": pp[args.pp[0]] if args.pp else None, "tg_median": tg[args.depth[0]],
+            "tg_reps": {d: [round(x, 1) for x in v] for d, v in r["tg"].items()},
             "rss_anon_after_load_mb": round(arm.rss_mb, 1), "open_s": round(arm.open_s, 2),
         }
-    reference = next((arm.label for arm in arms if isinstance(arm, (LlamaCppArm, LlamaBenchArm))), None)
-    print(f"threads {args.threads}, pp{args.pp} tg{args.tg}, {args.reps} reps, medians; ratio = tg / tg of {reference}")
-    print(f"{'arm':<14} {'runtime':<20} {'pp tok/s':>9} {'tg tok/s':>9} {'tg ratio':>9} {'RssAnon MiB':>12}")
+    peers = [a for a in report["arms"].values() if a["peer"]]
+    for a in report["arms"].values():
+        if peers and not a["peer"]:
+            a["tg_over_best_peer"] = {d: round(a["tg"][d] / max(p["tg"][d] for p in peers), 3) for d in args.depth}
+            if args.pp:
+                a["pp_over_best_peer"] = {n: round(a["pp"][n] / max(p["pp"][n] for p in peers), 3) for n in args.pp}
+    return report
+
+
+def print_report(report: dict) -> None:
+    lengths = [f"pp{n}" for n in report["pp_lengths"]] + [f"tg{report['tg']}@d{d}" for d in report["depths"]]
+    print(f"threads {report['threads']}, {report['reps']} reps interleaved, medians (tok/s); "
+          f"x best peer: int4q over the fastest llama.cpp arm at that length")
+    print(f"{'arm':<18} {'runtime':<34} " + " ".join(f"{c:>12}" for c in lengths))
     for label, a in report["arms"].items():
-        ratio = a["tg_median"] / report["arms"][reference]["tg_median"] if reference else float("nan")
-        a["tg_ratio_vs_" + str(reference)] = round(ratio, 3)
-        print(f"{label:<14} {a['kind']:<20} {a['pp_median'] or 0:>9.1f} {a['tg_median']:>9.1f} {ratio:>9.2f} "
-              f"{a['rss_anon_after_load_mb']:>12.1f}")
+        cells = [a["pp"][n] for n in report["pp_lengths"]] + [a["tg"][d] for d in report["depths"]]
+        print(f"{label:<18} {a['kind'][:34]:<34} " + " ".join(f"{c:>12.1f}" for c in cells))
+        over = [a.get("pp_over_best_peer", {}).get(n) for n in report["pp_lengths"]]
+        over += [a.get("tg_over_best_peer", {}).get(d) for d in report["depths"]]
+        if any(x is not None for x in over):
+            print(f"{'  x best peer':<53} " + " ".join(f"{x:>11.2f}x" for x in over))
+
+
+def add_bandwidth(report: dict, args: argparse.Namespace, ggufs: dict) -> None:
+    """Each arm's decode bytes per token (weights, plus the KV cache at the decode's mean position
+    where a checkpoint's config gives its size) and the fraction of measured read bandwidth."""
+    gbs = read_bandwidth_gbs()
+    report["read_bandwidth_gbs"] = round(gbs, 2)
+    print(f"measured read bandwidth ({args.threads} threads): {gbs:.1f} GB/s")
+    config_dir = args.int4[0] if args.int4 else args.bf16
+    per_position = kv_bytes_per_position(config_dir) if config_dir else 0
+    paths = {Path(p).name: p for p in args.int4} | {Path(p).name + "+int8": p for p in args.int4}
+    paths |= {"bf16": args.bf16} if args.bf16 else {}
+    for label, a in report["arms"].items():
+        gguf = ggufs.get(label.split("@")[0])
+        weights = decode_bytes_gguf(gguf) if gguf else decode_bytes_int4q(paths[label])
+        a["decode_weight_bytes"], a["bandwidth_fraction"] = weights, {}
+        for depth in report["depths"]:
+            nbytes = weights + per_position * (depth + report["tg"] // 2)
+            a["bandwidth_fraction"][depth] = round(nbytes * a["tg"][depth] / 1e9 / gbs, 3)
+        print(f"{label:<18} weights {weights / 1e6:7.1f} MB, KV {per_position / 1e3:.1f} kB a position: "
+              + ", ".join(f"d{d} {100 * f:.0f}%" for d, f in a["bandwidth_fraction"].items()) + " of bandwidth")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    arms, ggufs = make_arms(args)
+    report = summarize(arms, measure(arms, args), args)
+    print_report(report)
     if args.bandwidth:
-        gbs = read_bandwidth_gbs()
-        report["read_bandwidth_gbs"] = round(gbs, 2)
-        print(f"measured read bandwidth ({args.threads} threads): {gbs:.1f} GB/s")
-        paths = {Path(p).name: p for p in args.int4} | {Path(p).name + "+int8": p for p in args.int4}
-        paths |= {"bf16": args.bf16} if args.bf16 else {}
-        for label, a in report["arms"].items():
-            gguf = dict(ggufs).get(label.split("@")[0])
-            nbytes = decode_bytes_gguf(gguf) if gguf else decode_bytes_int4q(paths[label])
-            a["decode_bytes_per_token"] = nbytes
-            a["bandwidth_fraction"] = round(nbytes * a["tg_median"] / 1e9 / gbs, 3)
-            print(f"{label:<14} reads {nbytes / 1e6:8.1f} MB per token: {nbytes * a['tg_median'] / 1e9:5.2f} GB/s, "
-                  f"{100 * a['bandwidth_fraction']:.0f}% of measured bandwidth")
+        add_bandwidth(report, args, ggufs)
     if args.ttft and args.int4:
         report["time_to_first_token"] = time_to_first_token(args.int4[0], args.threads)
         for name, run in report["time_to_first_token"].items():

@@ -7,8 +7,8 @@
 Each input is optional; each one given makes its PNG: ``gguf_kld.png`` (or ``--gguf-png``: mean
 KLD against bits per weight, one line per quantizer, from bench_gguf.py; with its --llama-types and
 --targets arms, the Pareto plot), ``speed.png`` (prefill and decode tok/s per
-engine, from bench_vs_llamacpp.py), ``gptq_phases.png`` (GPTQ's time per phase, from bench_gptq.py), ``decode_depth.png`` (decode
-tok/s against context depth per arm, from one bench_vs_llamacpp.py --json file per depth).
+engine, from bench_vs_llamacpp.py), ``gptq_phases.png`` (GPTQ's time per phase, from bench_gptq.py), ``decode_depth.png`` (or
+``--depth-png``: decode tok/s against context depth per arm, from bench_vs_llamacpp.py --json files).
 """
 
 from __future__ import annotations
@@ -88,11 +88,18 @@ def plot_gptq(result: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def depth_points(report: dict, arm: dict) -> list[tuple[int, float]]:
+    """(depth, decode tok/s) of one arm: every depth of a sweep, or the report's one depth."""
+    if isinstance(arm.get("tg"), dict):
+        return [(int(depth), tps) for depth, tps in arm["tg"].items()]
+    return [(report.get("depth", 0), arm["tg_median"])]
+
+
 def plot_depth(reports: list[dict], out: Path, title: str) -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for report in reports:
         for label, arm in report["arms"].items():
-            series.setdefault(f"{label} ({arm['kind']})", []).append((report.get("depth", 0), arm["tg_median"]))
+            series.setdefault(f"{label} ({arm['kind']})", []).extend(depth_points(report, arm))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in sorted(series.items()):
         points.sort()
@@ -112,7 +119,9 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="bench_gguf.py --json output")
     ap.add_argument("--speed", type=Path, help="bench_vs_llamacpp.py --json output")
     ap.add_argument("--gptq", type=Path, help="bench_gptq.py --json output")
-    ap.add_argument("--depth-series", type=Path, nargs="+", help="bench_vs_llamacpp.py --json outputs, one per --depth")
+    ap.add_argument("--depth-series", type=Path, nargs="+",
+                    help="bench_vs_llamacpp.py --json outputs: one with several --depth, or one per depth")
+    ap.add_argument("--depth-png", default="decode_depth.png", help="the --depth-series plot's file name")
     ap.add_argument("--gguf-png", default="gguf_kld.png", help="the --gguf plot's file name")
     ap.add_argument("--model", default="SmolLM2-135M", help="the model's name for the titles")
     ap.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
@@ -125,7 +134,7 @@ def main() -> None:
     if args.gptq:
         plot_gptq(json.loads(args.gptq.read_text()), args.out / "gptq_phases.png", f"{args.model} GPTQ")
     if args.depth_series:
-        plot_depth([json.loads(p.read_text()) for p in args.depth_series], args.out / "decode_depth.png",
+        plot_depth([json.loads(p.read_text()) for p in args.depth_series], args.out / args.depth_png,
                    f"{args.model}: decode at depth")
     for png in sorted(args.out.glob("*.png")):
         print(png)

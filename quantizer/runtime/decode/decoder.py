@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InputError
+from ...native.causal_attention import causal_attention, has_causal_attention
 from ..kernels.attention import has_attend_one
 from ..kernels.dequant import shared_weight_buffer
 from ..kernels.gemv import has_mean_square
@@ -270,10 +271,13 @@ def attend(q, k, v, start: int, scale: float) -> torch.Tensor:
 def attend_in_fp32(q, k, v, start: int, scale: float) -> torch.Tensor:
     """:func:`attend` with one query (T = 1) computed in fp32 from the bf16 cache, the result
     rounded to bf16 once (int4q's operator where it is loaded, else PyTorch's attention on the
-    widened cache); more queries go to :func:`attend`. Not bit-identical to it (bf16 attention
-    rounds its probabilities to bf16), and several times faster where the CPU has no bf16 dot
-    products (docs/runtime.md, CPUs without AVX-512)."""
+    widened cache); a prompt from position 0 through int4q's causal-attention operator where it
+    loads (fp32 sums too, each weight carried in 16 bits), other queries through :func:`attend`.
+    Not bit-identical to it (bf16 attention rounds its probabilities to bf16), and several times
+    faster where the CPU has no bf16 dot products (docs/runtime.md, CPUs without AVX-512)."""
     if q.shape[2] != 1:
+        if start == 0 and k.shape[2] == q.shape[2] and has_causal_attention():
+            return causal_attention(q, k, v, scale).reshape(1, q.shape[2], -1)
         return attend(q, k, v, start, scale)
     if has_attend_one():
         return torch.ops.int4q_native.attend_one(q, k, v, scale)
