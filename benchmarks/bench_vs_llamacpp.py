@@ -162,7 +162,7 @@ def make_arms(args: argparse.Namespace) -> tuple[list, dict]:
 def measure(arms: list, args: argparse.Namespace) -> dict:
     """Every arm's tok/s per rep: {label: {"pp": {n: [...]}, "tg": {depth: [...]}}}, arms interleaved."""
     for arm in arms:  # warm-up
-        arm.pp(min(args.pp or [32], default=32))
+        arm.pp(min([*args.pp, 32]) if args.pp else 1)
         arm.tg(4)
     results = {arm.label: {"pp": {n: [] for n in args.pp}, "tg": {d: [] for d in args.depth}} for arm in arms}
     for rep in range(args.reps):

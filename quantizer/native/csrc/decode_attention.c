@@ -244,7 +244,8 @@ int int4q_attend_vector(int64_t dim) {
 #endif
 }
 
-/* 1 when the AVX-512 BF16 path runs for this head dimension. */
+/* 1 when the AVX-512 BF16 path runs for this head dimension (the CPU and level check is the causal
+ * kernel's: AVX-512 F, BW, VL and BF16). */
 static int bf16_path(int64_t dim) {
 #if INT4Q_X86
     return dim % 64 == 0 && int4q_causal_available();
