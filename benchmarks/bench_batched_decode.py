@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from engines import failure_line
 
 from quantizer.runtime import load_model
 from quantizer.runtime.activations import current
@@ -53,7 +54,9 @@ def batched_bench_tokens_per_s(binary: str, gguf: str, flags: tuple[str, ...], b
     """S_TG of one ``llama-batched-bench`` run: ``batch`` sequences, each its own prompt."""
     done = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-c", str(batch * (prompt + steps) + 16),
                            "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(steps), "-npl", str(batch),
-                           *flags], capture_output=True, text=True, check=True)
+                           *flags], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{binary} failed (exit {done.returncode}): {failure_line(done)}")
     for line in (done.stdout + done.stderr).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[:3] == [str(prompt), str(steps), str(batch)]:

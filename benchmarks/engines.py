@@ -34,6 +34,12 @@ from quantizer.runtime.decode.opening import open_decoder
 Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
 
 
+def failure_line(done: subprocess.CompletedProcess) -> str:
+    """A failed llama.cpp tool's own reason: its first line that says error, else its last."""
+    lines = done.stderr.strip().splitlines() or ["(no output)"]
+    return next((line.strip() for line in lines if "error" in line.lower()), lines[-1].strip())
+
+
 def spread_tokens(n: int, vocab: int) -> list[int]:
     """n token ids spread over the vocabulary (the same for every llama.cpp arm)."""
     return [100 + (i * 7919) % (vocab - 200) for i in range(n)]
@@ -105,7 +111,9 @@ class LlamaBenchArm:
         else:
             lengths = ["-p", str(pp), "-n", str(tg), *(["-d", str(depth)] if depth else [])]
         done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), *lengths, *self.flags, "-r", "1",
-                               "-o", "json"], capture_output=True, text=True, check=True)
+                               "-o", "json"], capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"{self.binary} failed (exit {done.returncode}): {failure_line(done)}")
         return float(json.loads(done.stdout)[0]["avg_ts"])
 
     def pp(self, n: int) -> float:
