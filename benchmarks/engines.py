@@ -13,6 +13,7 @@ depth 0; the context's prefill is not timed), llama-bench's definitions.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,18 @@ def failure_line(done: subprocess.CompletedProcess) -> str:
     """A failed llama.cpp tool's own reason: its first line that says error, else its last."""
     lines = done.stderr.strip().splitlines() or ["(no output)"]
     return next((line.strip() for line in lines if "error" in line.lower()), lines[-1].strip())
+
+
+def run_tool(binary: str, *args: str) -> subprocess.CompletedProcess:
+    """A llama.cpp tool's run, its output captured; SystemExit with :func:`failure_line` where it fails. It
+    runs in a temporary folder of its own, since some builds write a log file into the working folder;
+    ``binary`` and any argument naming an existing path are made absolute for it."""
+    argv = [os.path.abspath(a) if os.path.exists(a) else a for a in (binary, *args)]
+    with tempfile.TemporaryDirectory(prefix="int4q-peer-") as folder:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=folder)
+    if done.returncode:
+        raise SystemExit(f"{binary} failed (exit {done.returncode}): {failure_line(done)}")
+    return done
 
 
 def spread_tokens(n: int, vocab: int) -> list[int]:
@@ -110,10 +123,8 @@ class LlamaBenchArm:
             lengths = ["-p", "0", "-n", "0", "-gp", f"{depth},{tg}"]
         else:
             lengths = ["-p", str(pp), "-n", str(tg), *(["-d", str(depth)] if depth else [])]
-        done = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), *lengths, *self.flags, "-r", "1",
-                               "-o", "json"], capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise SystemExit(f"{self.binary} failed (exit {done.returncode}): {failure_line(done)}")
+        done = run_tool(self.binary, "-m", self.path, "-t", str(self.threads), *lengths, *self.flags, "-r", "1",
+                        "-o", "json")
         return float(json.loads(done.stdout)[0]["avg_ts"])
 
     def pp(self, n: int) -> float:

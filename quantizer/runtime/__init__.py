@@ -1,12 +1,13 @@
 """Run cpu_int4 checkpoints on the CPU: int4q's GEMV (or tinygemm) for decode, dequantize + oneDNN for
-prefill. ``load_model`` and ``load_tokenizer`` are the public entry points, imported on first use
-so that the package's light modules (``activations``) do not bring in torch and transformers."""
+prefill. ``load_model``, ``load_tokenizer`` and ``BatchedDecoder`` (several sequences a step) are the
+public entry points, imported on first use so that the package's light modules (``activations``) do
+not bring in torch and transformers."""
 
 from __future__ import annotations
 
 import importlib
 
-_ENTRY_POINTS = {"load_model": ".loader", "load_tokenizer": "..io.tokenizer"}
+_ENTRY_POINTS = {"load_model": ".loader", "load_tokenizer": "..io.tokenizer", "BatchedDecoder": ".decode.batched"}
 __all__ = list(_ENTRY_POINTS)
 
 

@@ -6,8 +6,10 @@
 // where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm (the kernel
 // layout) or w4a8_rows (row-major) and the attention attend_one themselves. T tokens in one call give the
 // last one's output of T calls of one token, bit for bit: each row's arithmetic is the same (the int8
-// kernels' rows are independent), and the query of token t attends over the cache up to t. A plan serves
-// one thread at a time (its buffers are its own).
+// kernels' rows are independent), and the query of token t attends over the cache up to t. The caches hold
+// several sequences ([sequences, kv_heads, positions, head_dim]); `rows` takes each row's sequence and
+// position, so one call can also advance many sequences a token each (batched decode), each row's output
+// that of its sequence decoded alone. A plan serves one thread at a time (its buffers are its own).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,104 +22,13 @@
 #include <utility>
 #include <vector>
 
+#include "decode_parts.h"
 #include "int4q.h"
 #include "shared_ops.h"
 
 namespace {
 
-using Bf16 = uint16_t;
-
-float widen(Bf16 h) { return int4q_bf16_to_float(h); }
-Bf16 narrow(float f) { return int4q_float_to_bf16(f); }
-const Bf16 *bf16_of(const at::Tensor &t) { return reinterpret_cast<const Bf16 *>(t.data_ptr()); }
-bool given(const at::Tensor &t) { return t.defined() && t.numel() > 0; }
-
-void check_bf16(const at::Tensor &t, std::vector<int64_t> sizes, const char *what) {
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.sizes() == at::IntArrayRef(sizes),
-                "DecodePlan: ", what, " must be contiguous bf16 ", at::IntArrayRef(sizes), ", got ", t.sizes());
-}
-
-// f(r) for r in [0, rows), rows split between ATen's threads (inline for one row).
-template <class F>
-void each_row(int64_t rows, const F &f) {
-    at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
-        for (int64_t r = first; r < last; r++) f(r);
-    });
-}
-
-// Llama's RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x widened to fp32.
-struct Norm {
-    at::Tensor weight;
-    float eps = 0;
-
-    void apply(const Bf16 *x, int64_t n, Bf16 *out) const {
-        thread_local std::vector<float> scratch;
-        scratch.resize(n);
-        for (int64_t i = 0; i < n; i++) scratch[i] = widen(x[i]);
-        const float variance = int4q::sum_of_squares(scratch.data(), n) / static_cast<float>(n);
-        const float inverse = 1.0f / std::sqrt(variance + eps);
-        const Bf16 *w = bf16_of(weight);
-        for (int64_t i = 0; i < n; i++) out[i] = narrow(widen(w[i]) * widen(narrow(scratch[i] * inverse)));
-    }
-};
-
-// A 4-bit linear: out = x W^T (+ bias, a separate bf16 add), by w4a8_mm from the kernel layout (pack
-// [n, k/2], sz [k/group, n, 2]) or, where `zero` is given, by w4a8_rows from the row-major tensors (pack
-// [n, k/2], sz the scale [n, k/group], zero [n, k/group]).
-struct Linear {
-    at::Tensor pack, sz, zero, bias;
-    int64_t n = 0, k = 0, group = 0;
-
-    bool row_major() const { return given(zero); }
-
-    void check(int64_t rows, int64_t cols, const char *what) const {
-        TORCH_CHECK(pack.scalar_type() == at::kByte && pack.is_contiguous() && pack.dim() == 2 && pack.size(0) == rows &&
-                        pack.size(1) * 2 == cols && group > 0 && cols % group == 0,
-                    "DecodePlan: the ", what, " weight must be uint8 [", rows, ", ", cols / 2,
-                    "] with a group dividing ", cols, ", got ", pack.sizes(), " and group ", group);
-        if (row_major()) {
-            TORCH_CHECK(int4q_w4a8_rows_available() && (group % 64 == 0 || (group == 32 && cols % 64 == 0)),
-                        "DecodePlan: a row-major weight needs AVX2 and a group of 32 or a multiple of 64, got ", group);
-            check_bf16(sz, {rows, cols / group}, "a row-major weight's scale");
-            check_bf16(zero, {rows, cols / group}, "a row-major weight's zero");
-        } else {
-            TORCH_CHECK(int4q_w4a8_available() && rows % 64 == 0 && group % 4 == 0,
-                        "DecodePlan: a kernel-layout weight needs AVX-512 VBMI and VNNI, whole 64-channel blocks and "
-                        "a group of a multiple of 4, got ", pack.sizes(), " and group ", group);
-            check_bf16(sz, {cols / group, rows, 2}, "a weight's sz");
-        }
-        if (given(bias)) check_bf16(bias, {rows}, "a bias");
-    }
-
-    // x [rows, k] -> out [rows, n]
-    void apply(const Bf16 *x, int64_t rows, Bf16 *out) const {
-        if (row_major())
-            int4q::w4a8_rows_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), bf16_of(zero), n, group, out);
-        else
-            int4q::w4a8_matmul(x, rows, k, pack.data_ptr<uint8_t>(), bf16_of(sz), n, group, out);
-        if (!given(bias)) return;
-        const Bf16 *b = bf16_of(bias);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n; i++) out[r * n + i] = narrow(widen(out[r * n + i]) + widen(b[i]));
-    }
-};
-
-struct Layer {
-    Norm input, q_norm, k_norm, post;
-    Linear qkv, o, gate_up, down;
-    at::Tensor keys, values;  // bf16 [1, kv_heads, positions, head_dim], head_dim contiguous
-};
-
-// x[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i] for i < rotary (each product and the sum rounded to bf16).
-void rotate(Bf16 *x, const Bf16 *cos, const Bf16 *sin, int64_t rotary) {
-    const int64_t half = rotary / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = widen(x[i]), b = widen(x[i + half]);
-        const float lo = widen(narrow(a * widen(cos[i]))) + widen(narrow(-b * widen(sin[i])));
-        const float hi = widen(narrow(b * widen(cos[i + half]))) + widen(narrow(a * widen(sin[i + half])));
-        x[i] = narrow(lo), x[i + half] = narrow(hi);
-    }
-}
+using namespace int4q_plan;
 
 class DecodePlan : public torch::CustomClassHolder {
   public:
@@ -157,28 +68,73 @@ class DecodePlan : public torch::CustomClassHolder {
         layers_.push_back(std::move(l));
     }
 
-    // h bf16 [T, hidden]: T embedded tokens at positions `position`.. -> bf16 [1, 1, hidden], the last one's
-    // output of the final norm.
+    // h bf16 [T, hidden]: T embedded tokens of sequence 0 at positions `position`.. -> bf16 [1, 1, hidden], the
+    // last one's output of the final norm.
     at::Tensor step(const at::Tensor &h, int64_t position) {
-        TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(0) > 0 && h.size(1) == hidden_,
-                    "DecodePlan.step: h must be bf16 [T, ", hidden_, "], got ", h.sizes());
+        check_rows(h, "step");
         const int64_t rows = h.size(0);
         TORCH_CHECK(0 <= position && position + rows <= positions_, "DecodePlan.step: positions ", position, "..",
                     position + rows - 1, " outside the cache of ", positions_);
-        const at::Tensor hc = h.contiguous();
-        hidden_state_.assign(bf16_of(hc), bf16_of(hc) + rows * hidden_);
-        for (auto [buffer, width] : {std::pair{&qkv_, qkv_width_}, {&attended_, heads_ * dim_}, {&normed_, hidden_},
-                                     {&out_, hidden_}, {&gate_up_, 2 * intermediate_}, {&product_, intermediate_}})
-            buffer->resize(std::max<size_t>(buffer->size(), rows * width));
-        for (const Layer &l : layers_) run_layer(l, position, rows);
+        std::vector<Slot> slots(rows);
+        for (int64_t r = 0; r < rows; r++) slots[r] = {0, position + r};
+        run(h, slots);
         at::Tensor out = at::empty({1, 1, hidden_}, h.options());
         final_.apply(hidden_state_.data() + (rows - 1) * hidden_, hidden_, reinterpret_cast<Bf16 *>(out.data_ptr()));
         return out;
     }
 
+    // h bf16 [T, hidden]: row r the embedded token of sequence sequences[r] at position positions[r] (int64 [T],
+    // no slot twice) -> bf16 [T, hidden], each row's output of the final norm. Row r attends over its
+    // sequence's positions 0..positions[r]: those before it must hold that sequence's earlier tokens.
+    at::Tensor rows(const at::Tensor &h, const at::Tensor &sequences, const at::Tensor &positions) {
+        check_rows(h, "rows");
+        const int64_t rows = h.size(0);
+        for (const at::Tensor *t : {&sequences, &positions})
+            TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == rows,
+                        "DecodePlan.rows: sequences and positions must be int64 [", rows, "], got ", t->sizes());
+        const at::Tensor s = sequences.contiguous(), p = positions.contiguous();
+        std::vector<Slot> slots(rows);
+        for (int64_t r = 0; r < rows; r++) {
+            slots[r] = {s.data_ptr<int64_t>()[r], p.data_ptr<int64_t>()[r]};
+            TORCH_CHECK(0 <= slots[r].sequence && slots[r].sequence < sequences_ && 0 <= slots[r].position &&
+                            slots[r].position < positions_,
+                        "DecodePlan.rows: row ", r, " at sequence ", slots[r].sequence, ", position ",
+                        slots[r].position, " is outside the caches of ", sequences_, " x ", positions_);
+        }
+        std::vector<Slot> sorted = slots;
+        std::sort(sorted.begin(), sorted.end());
+        TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                    "DecodePlan.rows: two rows write the same sequence and position");
+        run(h, slots);
+        at::Tensor out = at::empty({rows, hidden_}, h.options());
+        each_row(rows, hidden_, [&](int64_t r) {
+            final_.apply(hidden_state_.data() + r * hidden_, hidden_, reinterpret_cast<Bf16 *>(out.data_ptr()) + r * hidden_);
+        });
+        return out;
+    }
+
+    int64_t sequences() const { return sequences_; }
+
     int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
 
   private:
+    void check_rows(const at::Tensor &h, const char *what) const {
+        TORCH_CHECK(!layers_.empty(), "DecodePlan.", what, ": the plan has no layers");
+        TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(0) > 0 && h.size(1) == hidden_,
+                    "DecodePlan.", what, ": h must be bf16 [T, ", hidden_, "], got ", h.sizes());
+    }
+
+    // The rows of h through every layer, leaving the last layer's residual stream in hidden_state_.
+    void run(const at::Tensor &h, const std::vector<Slot> &slots) {
+        const int64_t rows = h.size(0);
+        const at::Tensor hc = h.contiguous();
+        hidden_state_.assign(bf16_of(hc), bf16_of(hc) + rows * hidden_);
+        for (auto [buffer, width] : {std::pair{&qkv_, qkv_width_}, {&attended_, heads_ * dim_}, {&normed_, hidden_},
+                                     {&out_, hidden_}, {&gate_up_, 2 * intermediate_}, {&product_, intermediate_}})
+            buffer->resize(std::max<size_t>(buffer->size(), rows * width));
+        for (const Layer &l : layers_) run_layer(l, slots);
+    }
+
     void check(Layer &l) {
         const int64_t q = heads_ * dim_, kv = kv_heads_ * dim_;
         check_bf16(l.input.weight, {hidden_}, "an input norm's weight");
@@ -197,27 +153,30 @@ class DecodePlan : public torch::CustomClassHolder {
             linears[i]->check(shapes[i][0], shapes[i][1], names[i]);
             linears[i]->n = shapes[i][0], linears[i]->k = shapes[i][1];
         }
+        if (layers_.empty() && l.keys.dim() == 4) sequences_ = l.keys.size(0);
         for (const at::Tensor *t : {&l.keys, &l.values})
-            TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 &&
-                            t->size(1) == kv_heads_ && t->size(2) == positions_ && t->size(3) == dim_ &&
-                            t->stride(3) == 1,
-                        "DecodePlan: keys and values must be bf16 [1, ", kv_heads_, ", ", positions_, ", ", dim_,
-                        "] with the last dimension contiguous, got ", t->sizes());
+            TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == sequences_ &&
+                            sequences_ > 0 && t->size(1) == kv_heads_ && t->size(2) == positions_ &&
+                            t->size(3) == dim_ && t->stride(3) == 1,
+                        "DecodePlan: keys and values must be bf16 [", sequences_, ", ", kv_heads_, ", ", positions_,
+                        ", ", dim_, "] (as many sequences in every layer) with the last dimension contiguous, got ",
+                        t->sizes());
         qkv_width_ = q + 2 * kv, intermediate_ = std::max(intermediate_, intermediate);
     }
 
-    // `rows` rows of the residual stream, at positions position.., through layer l.
-    void run_layer(const Layer &l, int64_t position, int64_t rows) {
+    // The residual stream's rows, row r at slots[r], through layer l.
+    void run_layer(const Layer &l, const std::vector<Slot> &slots) {
+        const int64_t rows = static_cast<int64_t>(slots.size());
         norm_rows(l.input, rows);
         l.qkv.apply(normed_.data(), rows, qkv_.data());
-        each_row(rows, [&](int64_t r) { write_token(l, r, position + r); });
-        for (int64_t r = 0; r < rows; r++) attend(l, r, position + r);
+        each_row(rows, qkv_width_, [&](int64_t r) { write_token(l, r, slots[r]); });
+        attend_rows(l, slots);
         l.o.apply(attended_.data(), rows, out_.data());
         add_residual(rows);
         norm_rows(l.post, rows);
         l.gate_up.apply(normed_.data(), rows, gate_up_.data());
         const int64_t intermediate = l.gate_up.n / 2;
-        each_row(rows, [&](int64_t r) {
+        each_row(rows, 4 * intermediate, [&](int64_t r) {  // an exponential weighs about four adds
             const Bf16 *gate = gate_up_.data() + r * 2 * intermediate, *up = gate + intermediate;
             Bf16 *product = product_.data() + r * intermediate;
             for (int64_t i = 0; i < intermediate; i++) {
@@ -230,13 +189,14 @@ class DecodePlan : public torch::CustomClassHolder {
     }
 
     void norm_rows(const Norm &norm, int64_t rows) {
-        each_row(rows, [&](int64_t r) {
+        each_row(rows, hidden_, [&](int64_t r) {
             norm.apply(hidden_state_.data() + r * hidden_, hidden_, normed_.data() + r * hidden_);
         });
     }
 
-    // Row r of qkv_: q and k normed and rotated for `position`, k and v written to the caches there.
-    void write_token(const Layer &l, int64_t r, int64_t position) {
+    // Row r of qkv_: q and k normed and rotated for its position, k and v written to the caches at its slot.
+    void write_token(const Layer &l, int64_t r, Slot slot) {
+        const int64_t position = slot.position;
         Bf16 *q = qkv_.data() + r * qkv_width_, *k = q + heads_ * dim_, *v = k + kv_heads_ * dim_;
         const Bf16 *cos = bf16_of(cos_) + position * rotary_, *sin = bf16_of(sin_) + position * rotary_;
         for (int64_t head = 0; head < heads_ + kv_heads_; head++) {
@@ -245,7 +205,8 @@ class DecodePlan : public torch::CustomClassHolder {
             if (given(norm.weight)) norm.apply(x, dim_, x);
             rotate(x, cos, sin, rotary_);
         }
-        Bf16 *keys = reinterpret_cast<Bf16 *>(l.keys.data_ptr()), *values = reinterpret_cast<Bf16 *>(l.values.data_ptr());
+        Bf16 *keys = reinterpret_cast<Bf16 *>(l.keys.data_ptr()) + slot.sequence * l.keys.stride(0);
+        Bf16 *values = reinterpret_cast<Bf16 *>(l.values.data_ptr()) + slot.sequence * l.values.stride(0);
         for (int64_t head = 0; head < kv_heads_; head++) {
             std::memcpy(keys + head * l.keys.stride(1) + position * l.keys.stride(2), k + head * dim_, dim_ * sizeof(Bf16));
             std::memcpy(values + head * l.values.stride(1) + position * l.values.stride(2), v + head * dim_,
@@ -253,22 +214,38 @@ class DecodePlan : public torch::CustomClassHolder {
         }
     }
 
-    // Row r of attended_: the attention of row r's q over the caches' positions 0..position.
-    void attend(const Layer &l, int64_t r, int64_t position) {
-        const Bf16 *keys = bf16_of(l.keys), *values = bf16_of(l.values);
-        int4q::attend_one(qkv_.data() + r * qkv_width_, keys, values, heads_, kv_heads_, position + 1, dim_,
+    // Row r of attended_: the attention of row r's q over its sequence's positions 0..its position.
+    void attend(const Layer &l, int64_t r, Slot slot) {
+        const Bf16 *keys = bf16_of(l.keys) + slot.sequence * l.keys.stride(0);
+        const Bf16 *values = bf16_of(l.values) + slot.sequence * l.values.stride(0);
+        int4q::attend_one(qkv_.data() + r * qkv_width_, keys, values, heads_, kv_heads_, slot.position + 1, dim_,
                           l.keys.stride(1), l.keys.stride(2), l.values.stride(1), l.values.stride(2), scale_,
                           attended_.data() + r * heads_ * dim_);
     }
 
+    // Every row's attention. With at least two rows a thread, the threads take rows in turn (each attend_one
+    // then runs on one thread: nested parallel loops run inline); fewer rows split each attention instead.
+    // attend_one's result does not depend on how it is split.
+    void attend_rows(const Layer &l, const std::vector<Slot> &slots) {
+        const int64_t rows = static_cast<int64_t>(slots.size()), threads = at::get_num_threads();
+        if (threads < 2 || rows < 2 * threads) {
+            for (int64_t r = 0; r < rows; r++) attend(l, r, slots[r]);
+            return;
+        }
+        at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+            for (int64_t t = first; t < last; t++)
+                for (int64_t r = t; r < rows; r += threads) attend(l, r, slots[r]);
+        });
+    }
+
     void add_residual(int64_t rows) {
-        each_row(rows, [&](int64_t r) {
+        each_row(rows, hidden_, [&](int64_t r) {
             for (int64_t i = r * hidden_; i < (r + 1) * hidden_; i++)
                 hidden_state_[i] = narrow(widen(hidden_state_[i]) + widen(out_[i]));
         });
     }
 
-    int64_t heads_, kv_heads_, dim_, hidden_, positions_ = 0, rotary_ = 0, qkv_width_ = 0, intermediate_ = 0;
+    int64_t heads_, kv_heads_, dim_, hidden_, sequences_ = 1, positions_ = 0, rotary_ = 0, qkv_width_ = 0, intermediate_ = 0;
     float scale_;
     at::Tensor cos_, sin_;
     Norm final_;
@@ -283,5 +260,7 @@ TORCH_LIBRARY_FRAGMENT(int4q_native, m) {
         .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, double>())
         .def("add_layer", &DecodePlan::add_layer)
         .def("step", &DecodePlan::step)
+        .def("rows", &DecodePlan::rows)
+        .def("sequences", &DecodePlan::sequences)
         .def("layer_count", &DecodePlan::layer_count);
 }

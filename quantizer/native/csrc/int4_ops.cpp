@@ -33,12 +33,13 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // output channels per block of the kernel layout
 
-// x bf16 [1, K], int4pack uint8 [N, K/2] in the tinygemm layout, sz bf16 [K/group, N, 2] -> bf16 [1, N].
+// x bf16 [M, K], int4pack uint8 [N, K/2] in the tinygemm layout, sz bf16 [K/group, N, 2] -> bf16 [M, N], each
+// row as it would be alone.
 at::Tensor gemv(const at::Tensor &x, const at::Tensor &int4pack, const at::Tensor &sz, int64_t group_size) {
     TORCH_CHECK(int4q_gemv_available(), "int4q_native::gemv: this CPU lacks AVX-512 VBMI and BF16");
     const int64_t n = int4pack.size(0), k = int4pack.size(1) * 2;
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.size(1) == k,
-                "int4q_native::gemv: x must be bf16 [1, ", k, "], got ", x.sizes());
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > 0 && x.size(1) == k,
+                "int4q_native::gemv: x must be bf16 [M, ", k, "], got ", x.sizes());
     TORCH_CHECK(int4pack.scalar_type() == at::kByte && n % 64 == 0 && group_size > 0 && group_size % 2 == 0 &&
                     k % group_size == 0,
                 "int4q_native::gemv: weight must be uint8 [N, K/2] with N % 64 == 0 and an even group dividing K");
@@ -46,15 +47,16 @@ at::Tensor gemv(const at::Tensor &x, const at::Tensor &int4pack, const at::Tenso
                     sz.size(1) == n && sz.size(2) == 2,
                 "int4q_native::gemv: sz must be bf16 [K/group, N, 2], got ", sz.sizes());
     const at::Tensor xc = x.contiguous(), packc = int4pack.contiguous(), szc = sz.contiguous();
-    at::Tensor out = at::empty({1, n}, x.options());
+    const int64_t rows = x.size(0), groups = k / group_size;
+    at::Tensor out = at::empty({rows, n}, x.options());
     const auto *xs = reinterpret_cast<const uint16_t *>(xc.data_ptr());
-    std::vector<float> xsum(k / group_size);
-    int4q_group_sums(xs, k, group_size, xsum.data());
+    std::vector<float> xsum(rows * groups);
+    for (int64_t r = 0; r < rows; r++) int4q_group_sums(xs + r * k, k, group_size, xsum.data() + r * groups);
     const uint8_t *pack = packc.data_ptr<uint8_t>();
     const auto *params = reinterpret_cast<const uint16_t *>(szc.data_ptr());
     auto *dst = reinterpret_cast<uint16_t *>(out.data_ptr());
     at::parallel_for(0, n / kBlock, 1, [&](int64_t first, int64_t last) {
-        int4q_gemv_blocks(xs, xsum.data(), pack, params, dst, n, k, group_size, first, last);
+        int4q_gemv_blocks(xs, xsum.data(), pack, params, dst, rows, n, k, group_size, first, last);
     });
     return out;
 }

@@ -81,7 +81,7 @@ int int4q_max_level(void);
 int int4q_gemv_available(void);
 void int4q_group_sums(const uint16_t *x, int64_t k, int64_t group_size, float *xsum);
 void int4q_gemv_blocks(const uint16_t *x, const float *xsum, const uint8_t *pack, const uint16_t *sz, uint16_t *out,
-                       int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
+                       int64_t rows, int64_t n, int64_t k, int64_t group_size, int64_t first, int64_t last);
 
 int int4q_gemv_rows_level(void);
 void int4q_split_row(const uint16_t *x, int64_t k, int64_t group_size, float *xe, float *xo, float *xsum);

@@ -1,6 +1,7 @@
-"""The one-row decode matmul: ``torch.ops.int4q_native.gemv`` (``csrc/int4_gemv.c`` with the
+"""The decode matmul of a few rows: ``torch.ops.int4q_native.gemv`` (``csrc/int4_gemv.c`` with the
 operator registration of ``csrc/int4_ops.cpp``), faster than PyTorch's tinygemm on the same
-weights (docs/runtime.md).
+weights (docs/runtime.md), each row's result the one it has alone (so batched decode gives each
+sequence what it gets decoded by itself).
 
 It is a PyTorch operator, not a ctypes call, because a compiled decode step calls it 100+ times a
 token: from C++ through the dispatcher it costs a few microseconds, from Python more than it
@@ -39,17 +40,22 @@ def load() -> bool:
 
 def self_test() -> None:
     """Raise NativeUnavailable unless the operator is the exact product up to rounding on a seeded weight."""
-    check_one_row("gemv", lambda x, weight: torch.ops.int4q_native.gemv(x, *weight[3:], SELF_TEST_GROUP))
+    check_product("gemv", lambda x, weight: torch.ops.int4q_native.gemv(x, *weight[3:], SELF_TEST_GROUP),
+                  SELF_TEST_ROWS)
 
 
-def check_one_row(operator: str, product) -> None:
+SELF_TEST_ROWS = 5
+"""Rows of the load-time check of ``gemv``: a whole pass of four rows over the weight and one more."""
+
+
+def check_product(operator: str, product, rows: int = 1) -> None:
     """Raise NativeUnavailable unless ``product(x, weight)`` is x times the weight's transpose up to
-    rounding, for a seeded row x and :func:`.dequant.self_test_weight`'s weight (codes, scale,
-    zero, int4pack, sz) at group :data:`.dequant.SELF_TEST_GROUP`."""
+    rounding, for seeded rows x [rows, K] and :func:`.dequant.self_test_weight`'s weight (codes,
+    scale, zero, int4pack, sz) at group :data:`.dequant.SELF_TEST_GROUP`."""
     gen = torch.Generator().manual_seed(0)
     weight = self_test_weight(gen)
     codes, scale, zero = weight[:3]
-    x = torch.randn(1, codes.shape[1], generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, codes.shape[1], generator=gen).to(torch.bfloat16)
     if not within_rounding(product(x, weight), x, codes, scale, zero):
         raise NativeUnavailable(f"int4q_native::{operator} is off by more than rounding on this machine")
 
@@ -95,7 +101,7 @@ def mean_square_is_eagers() -> bool:
 
 def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                     zero: torch.Tensor) -> bool:
-    """Whether a one-row product ``got`` [1, N] is the exact x @ W^T (W from codes [N, K], scale and
+    """Whether a product ``got`` [M, N] is the exact x @ W^T (W from codes [N, K], scale and
     zero [N, G]) up to its bf16 rounding plus fp32 accumulation error (sums of magnitudes up to
     136 |x| |scale| per term, see int4_gemv.c)."""
     group_size = codes.shape[1] // scale.shape[1]
@@ -108,7 +114,7 @@ def within_rounding(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, sca
 
 @constant_result
 def has_gemv() -> bool:
-    """Whether this process decodes one row through the operator (a constant to torch.compile)."""
+    """Whether this process decodes through the operator (a constant to torch.compile)."""
     if not _choice:
         _choice.append(_decide())
     return _choice[0]
@@ -119,8 +125,8 @@ def _decide() -> bool:
 
 
 def int4pack_mm(x: torch.Tensor, int4pack: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x bf16 [M, K] times the weight's transpose -> [M, N], the decode path: the operator for one
-    row where it is available and reads the weight, else tinygemm."""
-    if x.shape[0] == 1 and group_size % 2 == 0 and supports(int4pack, group_size) and has_gemv():
+    """x bf16 [M, K] times the weight's transpose -> [M, N], the decode path: the operator where it
+    is available and reads the weight, else tinygemm."""
+    if group_size % 2 == 0 and supports(int4pack, group_size) and has_gemv():
         return torch.ops.int4q_native.gemv(x, int4pack, sz, group_size)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), int4pack, group_size, sz)

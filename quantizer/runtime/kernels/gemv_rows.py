@@ -17,7 +17,7 @@ from ...native.cache import machine_identity
 from ...native.constant import constant_result
 from ...native.library import load_unless_off, ops
 from .dequant import SELF_TEST_GROUP
-from .gemv import check_one_row, has_gemv, int4pack_mm
+from .gemv import check_product, has_gemv, int4pack_mm
 
 CPU_FEATURES = {"avx2", "fma"}
 """The kernel's instructions, as /proc/cpuinfo names them."""
@@ -38,7 +38,7 @@ def load() -> bool:
 
 def self_test() -> None:
     """Raise NativeUnavailable unless the operator is the exact product up to rounding on a seeded weight."""
-    check_one_row("gemv_rows", lambda x, weight: torch.ops.int4q_native.gemv_rows(
+    check_product("gemv_rows", lambda x, weight: torch.ops.int4q_native.gemv_rows(
         x, pack_nibbles(weight[0]), *weight[1:3], SELF_TEST_GROUP))
 
 

@@ -1,4 +1,4 @@
-"""The native one-row decode matmul (int4_gemv.c as torch.ops.int4q_native.gemv, quantizer.runtime.kernels.gemv)."""
+"""The native decode matmul of a few rows (int4_gemv.c as torch.ops.int4q_native.gemv, quantizer.runtime.kernels.gemv)."""
 
 import logging
 
@@ -35,9 +35,9 @@ def fresh_choice(monkeypatch):
     monkeypatch.setattr(gemv, "_choice", [])
 
 
-def problem(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6):
-    """One row x [1, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
-    return kernel_layout_problem(1, blocks, groups, group_size, seed, scale_exp)
+def problem(blocks: int, groups: int, group_size: int, seed: int, scale_exp: int = -6, rows: int = 1):
+    """Rows x [rows, K], the kernel-layout weight, and its codes/scale/zero, seeded."""
+    return kernel_layout_problem(rows, blocks, groups, group_size, seed, scale_exp)
 
 
 def test_the_operator_is_used_exactly_where_the_cpu_has_its_instructions():
@@ -46,12 +46,20 @@ def test_the_operator_is_used_exactly_where_the_cpu_has_its_instructions():
 
 @settings(max_examples=60, deadline=None)
 @given(blocks=st.integers(1, 3), groups=st.integers(1, 4), group_size=st.sampled_from([16, 32, 64, 128, 256]),
-       seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-30, 20))
-def test_gemv_is_the_exact_product_up_to_rounding(operator, blocks, groups, group_size, seed, scale_exp):
-    x, int4pack, sz, parts = problem(blocks, groups, group_size, seed, scale_exp)
+       seed=st.integers(0, 2**31 - 1), scale_exp=st.integers(-30, 20), rows=st.integers(1, 9))
+def test_gemv_is_the_exact_product_up_to_rounding(operator, blocks, groups, group_size, seed, scale_exp, rows):
+    x, int4pack, sz, parts = problem(blocks, groups, group_size, seed, scale_exp, rows)
     got = operator(x, int4pack, sz, group_size)
-    assert got.shape == (1, int4pack.shape[0]) and got.dtype == torch.bfloat16
+    assert got.shape == (rows, int4pack.shape[0]) and got.dtype == torch.bfloat16
     assert gemv.within_rounding(got, x, *parts)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 11), seed=st.integers(0, 2**31 - 1))
+def test_each_rows_output_is_the_one_it_has_alone(operator, rows, seed):
+    x, int4pack, sz, _ = problem(2, 3, 64, seed, rows=rows)
+    alone = torch.cat([operator(x[r : r + 1], int4pack, sz, 64) for r in range(rows)])
+    assert torch.equal(operator(x, int4pack, sz, 64), alone)
 
 
 def test_gemv_agrees_with_tinygemm_on_nearly_every_output(operator):
@@ -67,11 +75,10 @@ def test_gemv_does_not_depend_on_the_thread_count(operator):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_decode_path_takes_the_operator_for_one_row_and_tinygemm_otherwise(operator):
-    x, int4pack, sz, _ = problem(1, 2, 64, seed=9)
-    assert torch.equal(gemv.int4pack_mm(x, int4pack, sz, 64), operator(x, int4pack, sz, 64))
-    two_rows = torch.cat([x, x])
-    assert torch.equal(gemv.int4pack_mm(two_rows, int4pack, sz, 64), tinygemm(two_rows, int4pack, 64, sz))
+def test_decode_path_takes_the_operator_for_any_number_of_rows(operator):
+    for rows in (1, 2, 5):
+        x, int4pack, sz, _ = problem(1, 2, 64, seed=9, rows=rows)
+        assert torch.equal(gemv.int4pack_mm(x, int4pack, sz, 64), operator(x, int4pack, sz, 64))
 
 
 def test_compiled_code_calls_the_operator(operator):
@@ -90,6 +97,7 @@ def test_compiled_code_calls_the_operator(operator):
 def test_wrong_inputs_are_refused_with_a_message(operator):
     x, int4pack, sz, _ = problem(1, 2, 64, seed=11)
     for args, message in [((x.float(), int4pack, sz, 64), "x must be bf16"), ((x[:, :64], int4pack, sz, 64), "x must be"),
+                          ((x[:0], int4pack, sz, 64), "x must be"),
                           ((x, int4pack, sz, 32), "sz must be"), ((x, int4pack, sz, 63), "even group")]:
         with pytest.raises(RuntimeError, match=message):
             operator(*args)
