@@ -175,17 +175,27 @@ class DecodePlan : public torch::CustomClassHolder {
         add_residual(rows);
         norm_rows(l.post, rows);
         l.gate_up.apply(normed_.data(), rows, gate_up_.data());
-        const int64_t intermediate = l.gate_up.n / 2;
-        each_row(rows, 4 * intermediate, [&](int64_t r) {  // an exponential weighs about four adds
-            const Bf16 *gate = gate_up_.data() + r * 2 * intermediate, *up = gate + intermediate;
-            Bf16 *product = product_.data() + r * intermediate;
-            for (int64_t i = 0; i < intermediate; i++) {
-                const float g = widen(gate[i]);
-                product[i] = narrow(widen(narrow(g / (1.0f + std::exp(-g)))) * widen(up[i]));
-            }
-        });
+        gated_products(l.gate_up.n / 2, rows);
         l.down.apply(product_.data(), rows, out_.data());
         add_residual(rows);
+    }
+
+    // product_ = bf16(SiLU(gate)) * up for each row of gate_up_ ([gate | up], `intermediate` each), split
+    // between the threads by spans of columns, so that one row's exponentials are shared out too.
+    void gated_products(int64_t intermediate, int64_t rows) {
+        at::parallel_for(0, rows * intermediate, kSpanGrain, [&](int64_t first, int64_t last) {
+            for (int64_t at = first; at < last;) {
+                const int64_t r = at / intermediate, begin = at % intermediate;
+                const int64_t end = std::min(intermediate, begin + (last - at));
+                const Bf16 *gate = gate_up_.data() + r * 2 * intermediate, *up = gate + intermediate;
+                Bf16 *product = product_.data() + r * intermediate;
+                for (int64_t i = begin; i < end; i++) {
+                    const float g = widen(gate[i]);
+                    product[i] = narrow(widen(narrow(g / (1.0f + std::exp(-g)))) * widen(up[i]));
+                }
+                at += end - begin;
+            }
+        });
     }
 
     void norm_rows(const Norm &norm, int64_t rows) {
