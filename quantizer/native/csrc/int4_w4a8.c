@@ -24,8 +24,11 @@
 #define RUN 32   /* bytes per (block, k) run */
 #define MAX_ROWS 6 /* rows per register tile: 12 int32 and 12 fp32 accumulators */
 #define PREFETCH_BYTES 2048 /* ahead in a block's stream, for the rows of a multi-row pass */
-#define PREFETCH_ROW_BYTES 4096 /* ahead in a block's stream, for one row (decode) */
-#define PREFETCH_GROUPS 2 /* a block's scales and zeros this many groups ahead, for one row */
+#define PREFETCH_ROW_BYTES 4096 /* ahead in a block's stream, for a one-pass tile (decode) */
+#define PREFETCH_GROUPS 2 /* a block's scales and zeros this many groups ahead, for a one-pass tile */
+#define ONE_PASS_ROWS 4 /* the most rows that go through a block in one pass (16 int32 accumulators) */
+#define ONE_PASS_LIMIT 16 /* up to this many rows (decode, batched decode) take one-pass tiles; more, the two-pass
+                           * ones (no faster or slower at 32 and 128 rows) */
 
 /* The scalar quantization of one group (any group size). */
 static void quantize_group(const uint16_t *x, int64_t group_size, int8_t *xq, float *xscale, int32_t *xqsum,
@@ -163,14 +166,15 @@ VNNI static inline __attribute__((always_inline)) void rows_block(
     rows_half(R, 1, xq, xscale, xqsum, xsum, src, sz, out, n, k, group_size, b);
 }
 
-/* One row (decode) of block b's 64 outputs in one pass over its weights: both halves' permutes of
- * each 128-byte run and four independent accumulators, so the weights are read once, as one stream.
- * Software prefetches run PREFETCH_ROW_BYTES ahead in it and PREFETCH_GROUPS ahead in the scales
- * and zeros (four lines a group, n * 4 bytes apart): a model larger than the caches decodes
- * 10-15 % faster with them (docs/benchmarks/vs-llamacpp.md). */
-VNNI static void one_row_block(const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum,
-                               const uint8_t *src, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
-                               int64_t group_size, int64_t b) {
+/* Rows [0, R) (R <= ONE_PASS_ROWS) of block b's 64 outputs in one pass over its weights: both halves'
+ * permutes of each 128-byte run and four independent accumulators a row, so the weights are read once, as one
+ * stream (up to ONE_PASS_LIMIT rows take several such tiles, the later ones finding the block cached). Software prefetches run PREFETCH_ROW_BYTES ahead in it and
+ * PREFETCH_GROUPS ahead in the scales and zeros (four lines a group, n * 4 bytes apart): a model larger than
+ * the caches decodes 10-15 % faster with them (docs/benchmarks/vs-llamacpp.md). Each row's sums are
+ * rows_half's: exact int32 dot products, then the same fp32 steps. */
+VNNI static inline __attribute__((always_inline)) void rows_one_pass(
+    const int R, const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum, const uint8_t *src,
+    const uint16_t *sz, uint16_t *out, int64_t n, int64_t k, int64_t group_size, int64_t b) {
     uint8_t order[2][64];
     for (int half = 0; half < 2; half++)
         for (int p = 0; p < 64; p++) {
@@ -181,13 +185,17 @@ VNNI static void one_row_block(const int8_t *xq, const float *xscale, const int3
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     const __m512i zero_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     const int64_t groups = k / group_size;
-    __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 y[ONE_PASS_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 4; i++) y[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const int32_t qsum = xqsum[g];
-        __m512i acc[4] = {_mm512_set1_epi32(-8 * qsum), _mm512_set1_epi32(-128 * qsum), _mm512_set1_epi32(-8 * qsum),
-                          _mm512_set1_epi32(-128 * qsum)};
+        __m512i acc[ONE_PASS_ROWS][4]; /* i = 2 half + j, from -8 (-128 high) times the group's sum of xq */
+        for (int r = 0; r < R; r++) {
+            const int32_t qsum = xqsum[r * groups + g];
+            acc[r][0] = acc[r][2] = _mm512_set1_epi32(-8 * qsum);
+            acc[r][1] = acc[r][3] = _mm512_set1_epi32(-128 * qsum);
+        }
         const uint8_t *rows = src + g * group_size * RUN;
-        const int8_t *xg = xq + g * group_size;
         if (g + PREFETCH_GROUPS < groups) {
             const char *later = (const char *)(sz + ((g + PREFETCH_GROUPS) * n + b * BLOCK) * 2);
             for (int line = 0; line < 4; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
@@ -197,13 +205,14 @@ VNNI static void one_row_block(const int8_t *xq, const float *xscale, const int3
             _mm_prefetch((const char *)(rows + kk * RUN + PREFETCH_ROW_BYTES + 64), _MM_HINT_T0);
             const __m512i a = _mm512_loadu_si512(rows + kk * RUN), c = _mm512_loadu_si512(rows + kk * RUN + 64);
             const __m512i p0 = _mm512_permutex2var_epi8(a, gather0, c), p1 = _mm512_permutex2var_epi8(a, gather1, c);
-            int32_t four;
-            memcpy(&four, xg + kk, sizeof four);
-            const __m512i xs = _mm512_set1_epi32(four);
-            acc[0] = dot_accumulate(acc[0], _mm512_and_si512(p0, low), xs);
-            acc[1] = dot_accumulate(acc[1], _mm512_and_si512(p0, high), xs);
-            acc[2] = dot_accumulate(acc[2], _mm512_and_si512(p1, low), xs);
-            acc[3] = dot_accumulate(acc[3], _mm512_and_si512(p1, high), xs);
+            const __m512i w[4] = {_mm512_and_si512(p0, low), _mm512_and_si512(p0, high), _mm512_and_si512(p1, low),
+                                  _mm512_and_si512(p1, high)};
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * k + g * group_size + kk, sizeof four);
+                const __m512i xs = _mm512_set1_epi32(four);
+                for (int i = 0; i < 4; i++) acc[r][i] = dot_accumulate(acc[r][i], w[i], xs);
+            }
         }
         const uint16_t *params = sz + (g * n + b * BLOCK) * 2;
         for (int i = 0; i < 4; i++) { /* i = 2 half + j: channels 32 j + 16 half */
@@ -211,14 +220,30 @@ VNNI static void one_row_block(const int8_t *xq, const float *xscale, const int3
             const __m512i pairs = _mm512_loadu_si512(params + 2 * (32 * j + 16 * half));
             const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
             const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, zero_mask));
-            const __m512 unit = _mm512_set1_ps(j ? xscale[g] * (1.0f / 16) : xscale[g]);
-            y[i] = _mm512_fmadd_ps(_mm512_mul_ps(scale, unit), _mm512_cvtepi32_ps(acc[i]),
-                                   _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[g]), y[i]));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = r * groups + g;
+                const __m512 unit = _mm512_set1_ps(j ? xscale[at] * (1.0f / 16) : xscale[at]);
+                y[r][i] = _mm512_fmadd_ps(_mm512_mul_ps(scale, unit), _mm512_cvtepi32_ps(acc[r][i]),
+                                          _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[at]), y[r][i]));
+            }
         }
     }
-    for (int i = 0; i < 4; i++)
-        _mm256_storeu_si256((__m256i *)(out + b * BLOCK + 32 * (i % 2) + 16 * (i / 2)), to_bf16(y[i]));
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(out + r * n + b * BLOCK + 32 * (i % 2) + 16 * (i / 2)), to_bf16(y[r][i]));
 }
+
+/* rows_one_pass with the row count a constant, so that its loops unroll. */
+#define ONE_PASS_OF(R)                                                                                             \
+    VNNI static void one_pass_##R(const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum,  \
+                                  const uint8_t *src, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,     \
+                                  int64_t group_size, int64_t b) {                                                \
+        rows_one_pass(R, xq, xscale, xqsum, xsum, src, sz, out, n, k, group_size, b);                              \
+    }
+ONE_PASS_OF(1)
+ONE_PASS_OF(2)
+ONE_PASS_OF(3)
+ONE_PASS_OF(4)
 
 VNNI static void block_w4a8(const int8_t *xq, const float *xscale, const int32_t *xqsum, const float *xsum, int64_t m,
                             const uint8_t *src, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k,
@@ -226,8 +251,18 @@ VNNI static void block_w4a8(const int8_t *xq, const float *xscale, const int32_t
     const int64_t groups = k / group_size;
 #define ROWS(R) rows_block(R, xq + r * k, xscale + r * groups, xqsum + r * groups, xsum + r * groups, src, sz, \
                            out + r * n, n, k, group_size, b)
-    if (m == 1) {
-        one_row_block(xq, xscale, xqsum, xsum, src, sz, out, n, k, group_size, b);
+    if (m <= ONE_PASS_LIMIT) {
+#define ONE(R) one_pass_##R(xq + r * k, xscale + r * groups, xqsum + r * groups, xsum + r * groups, src, sz, \
+                            out + r * n, n, k, group_size, b)
+        for (int64_t r = 0; r < m; r += ONE_PASS_ROWS) {
+            switch (m - r < ONE_PASS_ROWS ? m - r : ONE_PASS_ROWS) {
+            case 1: ONE(1); break;
+            case 2: ONE(2); break;
+            case 3: ONE(3); break;
+            default: ONE(4); break;
+            }
+        }
+#undef ONE
         return;
     }
     int64_t r = 0;

@@ -3,11 +3,13 @@
 A :class:`BatchedDecoder` holds one KV cache per sequence in one tensor a layer and one
 ``DecodePlan`` over them (``csrc/decode_plan.cpp``, its ``rows`` call), so a step multiplies every
 sequence's token by each weight in one pass of the int8 kernels, and each sequence's attention reads
-its own cache. Prompts may differ in length. Each sequence's logits are, bit for bit, those of a
-:class:`.decoder.FastDecoder` with its native step decoding that sequence alone: the int8 kernels'
-rows are independent, each row attends over its own sequence, and prompts take the same path (the
-plan where the single-sequence step takes them, else the eager prefill). Covers the models the native
-step covers, and refuses the others.
+its own cache. Prompts may differ in length. Each sequence's final hidden states are, bit for bit,
+those of a :class:`.decoder.FastDecoder` with its native step decoding that sequence alone: the int8
+kernels' rows are independent, each row attends over its own sequence, and prompts take the same
+path (the plan where the single-sequence step takes them, else the eager prefill). So are its logits
+where the head is int4q's (its GEMV sums each row as alone); a bf16 head multiplies several rows
+through PyTorch's GEMM, which may round them otherwise. Covers the models the native step covers,
+and refuses the others.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class BatchedDecoder:
         self.positions = torch.tensor(lengths)
         short = [s for s, n in enumerate(lengths) if n <= self.rows]
         logits = [None] * self.sequences
-        for s in set(range(self.sequences)) - set(short):
+        for s in (s for s in range(self.sequences) if s not in short):
             self._point_at(self.decoder, s)
             self.decoder.reset()
             logits[s] = self.decoder.eager_forward(prompts[s].view(1, -1))
@@ -72,20 +74,23 @@ class BatchedDecoder:
     def _plan_rows(self, prompts: list[torch.Tensor], sequences: list[int]) -> list[torch.Tensor]:
         """Logits [1, V] after each of ``prompts`` (of ``sequences``), their tokens packed into plan calls
         of up to :attr:`rows` rows."""
-        ids = torch.cat(prompts) if prompts else torch.zeros(0, dtype=torch.long)
-        owner = torch.cat([torch.full((p.numel(),), s) for p, s in zip(prompts, sequences)]) if prompts else ids
-        position = torch.cat([torch.arange(p.numel()) for p in prompts]) if prompts else ids
-        last = (torch.cumsum(torch.tensor([p.numel() for p in prompts]), 0) - 1).tolist()
-        normed = [self.plan.rows(self.embed(ids[i : i + self.rows]).to(torch.bfloat16), owner[i : i + self.rows],
-                                 position[i : i + self.rows]) for i in range(0, ids.numel(), self.rows)]
-        finals = torch.cat(normed)[last] if normed else None
-        return [self.head(finals[i : i + 1, None])[:, 0] for i in range(len(prompts))]
+        if not prompts:
+            return []
+        ids = torch.cat(prompts)
+        owner = torch.cat([torch.full((p.numel(),), s) for p, s in zip(prompts, sequences)])
+        position = torch.cat([torch.arange(p.numel()) for p in prompts])
+        last = torch.cumsum(torch.tensor([p.numel() for p in prompts]), 0) - 1
+        normed = torch.cat([self.plan.rows(self.embed(ids[i : i + self.rows]).to(torch.bfloat16),
+                                           owner[i : i + self.rows], position[i : i + self.rows])
+                            for i in range(0, ids.numel(), self.rows)])
+        return list(self.head(normed[last, None])[:, 0].split(1))
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [sequences] (one id each) -> logits [sequences, V] after them."""
         if tokens.shape != (self.sequences,):
-            raise InputError(f"a step takes one token for each of {self.sequences} sequences, got {tuple(tokens.shape)}")
+            raise InputError(f"a step takes one token for each of {self.sequences} sequences, "
+                             f"got {tuple(tokens.shape)}")
         if int(self.positions.max()) >= self.max_len:
             raise InputError(f"a sequence would exceed this batch's cache of {self.max_len} tokens")
         h = self.embed(tokens.view(-1, 1)).to(torch.bfloat16).view(self.sequences, -1)

@@ -162,7 +162,8 @@ def test_a_weight_the_kernel_cannot_read_is_not_taken(operator):
        group_size=st.sampled_from([4, 12, 32, 64, 128]), seed=st.integers(0, 2**31 - 1), symmetric=st.booleans())
 def test_a_rows_output_is_the_same_alone_as_among_others_bit_for_bit(operator, rows, blocks, groups, group_size, seed,
                                                                    symmetric):
-    """One row (decode) takes its own single-pass kernel; it must round as the multi-row tiles do."""
+    """Up to four rows (decode, a few sequences a step) take the one-pass kernel, more the two-pass tiles;
+    a row must round the same in either, alone or among others."""
     x, int4pack, sz, _ = kernel_layout_problem(rows, blocks, groups, group_size, seed, 0, symmetric)
     together = operator(x, int4pack, sz, group_size)
     for r in range(rows):
