@@ -129,14 +129,19 @@ def build_config(config_dict: dict):
         raise InputError(f"config.json is not a valid {model_type!r} config ({detail}); fix config.json") from None
 
 
+def base_model_class(config_dict: dict) -> str | None:
+    """The name of config.json's model type's base model class (``Qwen2Model``), where transformers has one."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return MODEL_MAPPING_NAMES.get(config_dict.get("model_type"))
+
+
 def is_base_model(config_dict: dict) -> bool:
     """True where config.json's architectures names its model type's base model (``Qwen2Model``,
     ``Gemma3TextModel``: no head, tensors without the causal LM's ``model.`` prefix), as base and
     embedding models ship."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
     archs = config_dict.get("architectures") or [None]
-    return archs[0] is not None and archs[0] == MODEL_MAPPING_NAMES.get(config_dict.get("model_type"))
+    return archs[0] is not None and archs[0] == base_model_class(config_dict)
 
 
 def build_empty_model(config_dict: dict) -> torch.nn.Module:
@@ -239,3 +244,15 @@ def architecture_mismatches(model: torch.nn.Module, shapes: dict[str, tuple[int,
         if not (tied_head and name.startswith(tied_head + ".")):
             problems.append(f"{name}: stray tensor the model has no place for")
     return problems
+
+
+def holds_only_the_base_model(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], head: str | None,
+                              tied_head: str | None = None) -> bool:
+    """Whether a checkpoint's tensors (name -> shape) that do not fit the causal LM ``model`` are
+    exactly its base model's: every name without the causal LM's ``base_model_prefix`` and no
+    ``head`` (a base or embedding model saved with a causal LM's config.json)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not shapes or any(n.startswith(prefix + ".") for n in shapes):
+        return False
+    problems = architecture_mismatches(model, {f"{prefix}.{n}": s for n, s in shapes.items()}, tied_head)
+    return all(head and p.startswith(f"{head}.") and p.endswith(": missing") for p in problems)

@@ -22,8 +22,10 @@ from ..io.shards import TensorSpec
 from ..io.structure import (
     ModelStructure,
     architecture_mismatches,
+    base_model_class,
     build_empty_model,
     check_against_checkpoint,
+    holds_only_the_base_model,
     inspect_structure,
 )
 from ..methods.grid import Storage
@@ -354,7 +356,13 @@ def _choose_targets(structure: ModelStructure, infos: dict[str, TensorInfo],
 def _check_architecture(model_dir: Path, config: dict, structure: ModelStructure, infos: dict[str, TensorInfo]) -> None:
     """Every tensor the architecture in config.json needs is present with its shape, and nothing else."""
     tied_head = structure.head if structure.tied else None
-    problems = architecture_mismatches(build_empty_model(config), {n: i.shape for n, i in infos.items()}, tied_head)
+    model, shapes = build_empty_model(config), {n: i.shape for n, i in infos.items()}
+    problems = architecture_mismatches(model, shapes, tied_head)
+    if problems and base_model_class(config) and holds_only_the_base_model(model, shapes, structure.head, tied_head):
+        named = (config.get("architectures") or [type(model).__name__])[0]
+        raise InputError(f"{model_dir}: the tensors are a base model's (no {model.base_model_prefix!r} prefix, "
+                         f"no head), but config.json names {named}; set \"architectures\": [\"{base_model_class(config)}\"] in "
+                         "config.json to quantize it as the base model it is")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InputError(f"{model_dir}: the weights do not match config.json: {problems[0]}{more}; "

@@ -1,6 +1,7 @@
 """End-to-end fidelity of a quantized model against its source, in the spirit of llama.cpp's
 ``llama-perplexity --kl-divergence``: teacher-forced KL divergence, top-1 agreement and
-perplexity over windows of text, and greedy exact match over fixed prompts."""
+perplexity over windows of text, and greedy exact match over fixed prompts; for a base model (no
+head, no logits), its last hidden states and their mean-pooled embedding."""
 
 from __future__ import annotations
 
@@ -81,6 +82,40 @@ def teacher_forced(reference, quantized, windows: list[torch.Tensor], progress=N
         kld_p999=torch.quantile(kld, 0.999).item(), kld_max=kld.max().item(), top1_agreement=agree / n,
         ppl_reference=math.exp(nll_ref / n), ppl_quantized=math.exp(nll_q / n),
     )
+
+
+@dataclass
+class HiddenStateResult:
+    """A base model's last hidden states, quantized against the reference: per token, the cosine
+    similarity and the relative error |h_q - h_r| / |h_r|; per window, the cosine of the mean-pooled
+    embeddings (as embedding models pool)."""
+
+    tokens: int
+    windows: int
+    cosine_mean: float
+    cosine_min: float
+    relative_error_mean: float
+    pooled_cosine_min: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@torch.inference_mode()
+def hidden_state_agreement(reference, quantized, windows: list[torch.Tensor], progress=None) -> HiddenStateResult:
+    """:class:`HiddenStateResult` over every token of ``windows``; ``progress(done, total)`` after each."""
+    cosines, errors, pooled = [], [], []
+    for i, ids in enumerate(windows):
+        ref = reference(input_ids=ids).last_hidden_state[0].double()
+        got = quantized(input_ids=ids).last_hidden_state[0].double()
+        cosines.append(torch.nn.functional.cosine_similarity(got, ref, dim=-1))
+        errors.append((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30))
+        pooled.append(torch.nn.functional.cosine_similarity(got.mean(0), ref.mean(0), dim=0))
+        if progress:
+            progress(i + 1, len(windows))
+    cosine, error = torch.cat(cosines), torch.cat(errors)
+    return HiddenStateResult(cosine.numel(), len(windows), cosine.mean().item(), cosine.min().item(),
+                             error.mean().item(), torch.stack(pooled).min().item())
 
 
 def greedy_agreement(reference, quantized, tokenizer, max_new_tokens: int, result: FidelityResult,

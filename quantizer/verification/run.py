@@ -134,6 +134,8 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     from ..runtime.activations import current as current_activations
     from .fidelity import greedy_agreement, teacher_forced, token_windows
 
+    if load_quantized is None and _is_base_model(qdir):
+        return _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say, step)
     result = CheckResult("end to end")
     try:
         tokenizer = load_tokenizer(source if load_quantized else qdir)
@@ -162,6 +164,51 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
         numbers.append(f"greedy exact match: {fid.greedy_matches}/{fid.greedy_total} prompts ({greedy_tokens} tokens)")
     if max_kld is not None and fid.kld_mean > max_kld:
         result.fail(f"mean KLD {fid.kld_mean:.5f} exceeds --max-kld {max_kld}")
+    return result
+
+
+def _is_base_model(qdir: Path) -> bool:
+    from ..io.checkpoint import read_config
+    from ..io.structure import is_base_model
+
+    return is_base_model(read_config(qdir))
+
+
+def _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say,
+                           step) -> CheckResult:
+    """A base model's end-to-end check: its last hidden states against the source's over the same
+    windows (:func:`.fidelity.hidden_state_agreement`), both loaded by transformers' AutoModel (the
+    checkpoint through int4q's integration, on int4q's kernels)."""
+    import torch
+    from transformers import AutoModel
+
+    import quantizer.integrations.transformers  # noqa: F401  (registers cpu_int4 with transformers)
+
+    from ..errors import UsageError
+    from ..io.text import load_text, text_budget
+    from ..io.tokenizer import load_tokenizer
+    from .fidelity import hidden_state_agreement, token_windows
+
+    if max_kld is not None:
+        raise UsageError(f"--max-kld compares logits, and {qdir} is a base model (no head) whose end-to-end check "
+                         "compares hidden states; drop --max-kld")
+    result = CheckResult("end to end")
+    try:
+        tokenizer = load_tokenizer(qdir)
+        reference = AutoModel.from_pretrained(source, dtype=torch.bfloat16).eval()
+        quantized = AutoModel.from_pretrained(qdir).eval()
+    except Exception as e:  # whatever stops the models from loading, the check did not run
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        result.could_not_run = f"cannot load the models ({first})"
+        return result
+    body, origin = load_text(text, "eval", text_budget(ctx * max_windows))
+    windows = token_windows(tokenizer, body, ctx, max_windows)
+    say(f"last hidden states over {len(windows)} windows of {ctx} tokens from {origin} (a base model: no logits) ...")
+    hidden = hidden_state_agreement(reference, quantized, windows, lambda done, total: step("windows", done, total))
+    report["hidden_states"] = {**hidden.as_dict(), "text": origin, "ctx": ctx}
+    numbers.append(f"last hidden states vs source over {hidden.tokens} tokens ({origin}, ctx {ctx}): cosine mean "
+                   f"{hidden.cosine_mean:.5f}, min {hidden.cosine_min:.4f}; relative error mean "
+                   f"{hidden.relative_error_mean:.4f}; mean-pooled embedding cosine min {hidden.pooled_cosine_min:.5f}")
     return result
 
 

@@ -1,7 +1,7 @@
 """Base-model checkpoints as base and embedding models ship them (config.json names the base class,
 ``LlamaModel`` or ``Gemma3TextModel``; tensors without the causal LM's ``model.`` prefix; no head):
-cpu_int4 quantizes them, verify proves every tensor (a base model has no logits for its end-to-end
-check, so it says INCOMPLETE) and transformers' AutoModel loads the result; int4q's runtime,
+cpu_int4 quantizes them, verify proves every tensor and, end to end, compares the last hidden states
+with the source's (a base model has no logits), and transformers' AutoModel loads the result; int4q's runtime,
 which generates text, refuses them in one line; a GGUF file of them is the converter's own
 architecture (an embedding Gemma as gemma-embedding), and llama.cpp's llama-embedding gives nearly
 the embedding of the converter's own bf16 file."""
@@ -78,9 +78,11 @@ def test_a_base_model_quantizes_to_cpu_int4_verifies_and_loads_in_transformers(b
     done = run("quantize", "--model", source, "--out", out, "--method", method, "--nsamples", 2, "--seqlen", 32,
                "--no-progress")
     assert done.exit_code == 0, done.output
-    checked = run("verify", out, "--model", source)  # every tensor check; no logits to compare end to end
+    checked = run("verify", out, "--model", source, "--ctx", 64, "--max-windows", 2)
     assert "[ok] round trip" in checked.stdout and "[ok] kernel layout" in checked.stdout, checked.output
-    assert checked.stdout.strip().endswith("INCOMPLETE") and "is a base model" in checked.stdout
+    assert "[ok] end to end" in checked.stdout and checked.stdout.strip().endswith("PASS"), checked.output
+    line = next(x for x in checked.stdout.splitlines() if "last hidden states vs source over 128 tokens" in x)
+    assert float(line.split("cosine mean ")[1].split(",")[0]) > 0.9
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         exact = transformers.AutoModel.from_pretrained(source).float()(ids).last_hidden_state
@@ -88,6 +90,29 @@ def test_a_base_model_quantizes_to_cpu_int4_verifies_and_loads_in_transformers(b
         assert type(loaded).__name__ == type(transformers.AutoModel.from_pretrained(source)).__name__
         got = loaded(ids).last_hidden_state.float()
     assert torch.nn.functional.cosine_similarity(got.flatten(), exact.flatten(), dim=0) > 0.9
+
+
+def test_max_kld_on_a_base_model_is_refused_in_one_line(base_model, tmp_path):
+    family, source = base_model
+    assert run("quantize", "--model", source, "--out", tmp_path / "int4", "--no-progress").exit_code == 0
+    done = run("verify", tmp_path / "int4", "--model", source, "--max-kld", "0.1", "--ctx", 64, "--max-windows", 1)
+    assert done.exit_code == 2 and "drop --max-kld" in done.output and "Traceback" not in done.output, done.output
+
+
+def test_a_base_models_tensors_under_a_causal_lms_config_are_named_with_the_fix(base_model, tmp_path):
+    family, source = base_model
+    mislabelled = tmp_path / "mislabelled"
+    shutil.copytree(source, mislabelled)
+    config = json.loads((mislabelled / "config.json").read_text())
+    base_class = config["architectures"][0]
+    config["architectures"] = [base_class.replace("TextModel", "ForCausalLM").replace("Model", "ForCausalLM")]
+    (mislabelled / "config.json").write_text(json.dumps(config))
+    done = run("quantize", "--model", mislabelled, "--out", tmp_path / "int4", "--no-progress")
+    assert done.exit_code != 0 and "Traceback" not in done.output, done.output
+    named = config["architectures"][0]
+    assert (f"the tensors are a base model's (no 'model' prefix, no head), but config.json names {named}; "
+            f'set "architectures": ["{base_class}"]') in done.output
+    assert not (tmp_path / "int4").exists()
 
 
 def test_the_runtime_refuses_a_base_model_in_one_line(base_model, tmp_path):
