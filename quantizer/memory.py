@@ -1,5 +1,5 @@
-"""This process's memory: resident-set figures from /proc, the memory the machine has free, and
-handing freed heap back to the OS, or keeping it for reuse."""
+"""This process's memory: resident-set figures from /proc, the memory the machine has free,
+handing freed heap back to the OS, or keeping it for reuse, and asking for huge pages."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ LARGEST_HEAP_BLOCK = 32 << 20
 KEEP_FREED = 2**31 - 1
 """Bytes of free heap at its top that glibc keeps rather than hands back (mallopt's int at most)."""
 DEFAULT_TRIM = 128 << 10
+HUGE_PAGE = 2 << 20
+"""Bytes of a transparent huge page on x86-64 (and the alignment a region needs to get whole ones)."""
+MADV_HUGEPAGE = 14
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def proc_status_mb(key: str) -> float:
@@ -76,3 +80,24 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def huge_pages_offered() -> bool:
+    """Whether Linux gives this process's anonymous memory transparent huge pages where it asks
+    (the kernel's setting ``always`` or ``madvise``, not ``never``)."""
+    try:
+        with open(THP_SETTING) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def advise_huge_pages(address: int, length: int) -> bool:
+    """Ask for huge pages over ``length`` bytes at ``address`` (a multiple of :data:`HUGE_PAGE`,
+    not yet touched, so that each page is faulted in whole); whether the kernel took the advice."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+

@@ -159,8 +159,9 @@ class CpuInt4Quantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         """Put the original modules back and turn them into the runtime's int4/int8 modules."""
-        from ..runtime.loader import install_quantized_modules
+        from ..runtime.loader import QUANTIZED_MODULES, install_quantized_modules
         from ..runtime.nn.fusion import fuse_projections
+        from ..runtime.nn.placement import onto_huge_pages
 
         loaded = {}
         for name, original in self.originals.items():
@@ -173,6 +174,7 @@ class CpuInt4Quantizer(HfQuantizer):
             install_quantized_modules(model, _Tensors(loaded), qc, tied=self.tied_head is not None)
         self.originals.clear()
         fuse_projections(model)
+        onto_huge_pages(m for m in model.modules() if isinstance(m, QUANTIZED_MODULES))
         return model
 
     def get_state_dict_and_metadata(self, model):

@@ -28,6 +28,7 @@ from .activations import current as current_activations
 from .nn.fusion import fuse_projections
 from .nn.int4 import Int4Linear, Int4Lookup, quantize_embedding_module, tied_head
 from .nn.int8 import Int8Linear, Int8Lookup, int8_embedding_module, int8_tied_head
+from .nn.placement import onto_huge_pages
 from .nn.swap import set_module
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ DECODE_ROWS = 32
 weight directly, through the decode kernels; the checkpoint's dequant_threshold where larger.
 Dequantizing a whole head for a few rows (batched decode) costs more than those rows through
 the decode kernels (docs/benchmarks/vs-llamacpp.md, "Batched decode")."""
+
+
+QUANTIZED_MODULES = (Int4Linear, Int4Lookup, Int8Linear, Int8Lookup)
+"""The runtime's modules that hold quantized weights (moved onto huge pages after loading)."""
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig | None:
@@ -91,6 +96,7 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True,
         raise InputError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}")
     if fuse:
         fuse_projections(model)
+    onto_huge_pages(m for m in model.modules() if isinstance(m, QUANTIZED_MODULES))
     release_free_memory()
     return model
 
