@@ -128,25 +128,20 @@ def verdict(checks: list[CheckResult]) -> str:
 
 def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, report, numbers, say,
                 step, load_quantized=None) -> CheckResult:
-    from ..io.text import load_text, text_budget
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
     from ..runtime.activations import current as current_activations
-    from .fidelity import greedy_agreement, teacher_forced, token_windows
+    from .fidelity import greedy_agreement, teacher_forced
 
     if load_quantized is None and _is_base_model(qdir):
         return _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say, step)
     result = CheckResult("end to end")
-    try:
-        tokenizer = load_tokenizer(source if load_quantized else qdir)
-        reference = load_model(source)
-        quantized = load_quantized() if load_quantized else load_model(qdir)
-    except Exception as e:  # whatever stops the models from loading, the check did not run
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        result.could_not_run = f"cannot load the models ({first})"
+    loaded = _models_and_windows(lambda: (load_tokenizer(source if load_quantized else qdir), load_model(source),
+                                          load_quantized() if load_quantized else load_model(qdir)),
+                                 text, ctx, max_windows, result)
+    if loaded is None:
         return result
-    body, origin = load_text(text, "eval", text_budget(ctx * max_windows))
-    windows = token_windows(tokenizer, body, ctx, max_windows)
+    reference, quantized, tokenizer, windows, origin = loaded
     say(f"teacher-forced KLD over {len(windows)} windows of {ctx} tokens from {origin} ...")
     fid = teacher_forced(reference, quantized, windows, progress=lambda done, total: step("KLD windows", done, total))
     if greedy_tokens:
@@ -167,6 +162,23 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     return result
 
 
+def _models_and_windows(load, text, ctx: int, max_windows: int, result: CheckResult):
+    """``load()``'s (tokenizer, reference, quantized) and the evaluation windows of ``ctx`` tokens:
+    (reference, quantized, tokenizer, windows, the text's origin), or None with ``result`` saying
+    why the check could not run where the models do not load."""
+    from ..io.text import load_text, text_budget
+    from .fidelity import token_windows
+
+    try:
+        tokenizer, reference, quantized = load()
+    except Exception as e:  # whatever stops the models from loading, the check did not run
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        result.could_not_run = f"cannot load the models ({first})"
+        return None
+    body, origin = load_text(text, "eval", text_budget(ctx * max_windows))
+    return reference, quantized, tokenizer, token_windows(tokenizer, body, ctx, max_windows), origin
+
+
 def _is_base_model(qdir: Path) -> bool:
     from ..io.checkpoint import read_config
     from ..io.structure import is_base_model
@@ -185,24 +197,18 @@ def _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report
     import quantizer.integrations.transformers  # noqa: F401  (registers cpu_int4 with transformers)
 
     from ..errors import UsageError
-    from ..io.text import load_text, text_budget
     from ..io.tokenizer import load_tokenizer
-    from .fidelity import hidden_state_agreement, token_windows
+    from .fidelity import hidden_state_agreement
 
     if max_kld is not None:
         raise UsageError(f"--max-kld compares logits, and {qdir} is a base model (no head) whose end-to-end check "
                          "compares hidden states; drop --max-kld")
     result = CheckResult("end to end")
-    try:
-        tokenizer = load_tokenizer(qdir)
-        reference = AutoModel.from_pretrained(source, dtype=torch.bfloat16).eval()
-        quantized = AutoModel.from_pretrained(qdir).eval()
-    except Exception as e:  # whatever stops the models from loading, the check did not run
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        result.could_not_run = f"cannot load the models ({first})"
+    loaded = _models_and_windows(lambda: (load_tokenizer(qdir), AutoModel.from_pretrained(source, dtype=torch.bfloat16),
+                                          AutoModel.from_pretrained(qdir)), text, ctx, max_windows, result)
+    if loaded is None:
         return result
-    body, origin = load_text(text, "eval", text_budget(ctx * max_windows))
-    windows = token_windows(tokenizer, body, ctx, max_windows)
+    reference, quantized, _, windows, origin = loaded
     say(f"last hidden states over {len(windows)} windows of {ctx} tokens from {origin} (a base model: no logits) ...")
     hidden = hidden_state_agreement(reference, quantized, windows, lambda done, total: step("windows", done, total))
     report["hidden_states"] = {**hidden.as_dict(), "text": origin, "ctx": ctx}
