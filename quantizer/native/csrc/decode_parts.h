@@ -30,7 +30,7 @@ inline void check_bf16(const at::Tensor &t, std::vector<int64_t> sizes, const ch
 }
 
 constexpr int64_t kRowsWorkPerTask = 16384;  // elements: below this a parallel region costs more than it saves
-constexpr int64_t kSpanGrain = 2048;  // elements with an exponential each: about as much work
+constexpr int64_t kSpanGrain = 2048;  // elements with an exponential each: about kRowsWorkPerTask of plain work
 
 // f(r) for r in [0, rows), each row touching about `width` elements, rows split between ATen's threads where
 // there is enough work for more than one.
