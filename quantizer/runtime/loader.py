@@ -62,8 +62,10 @@ def quantized_module_names(reader: CheckpointReader) -> list[str]:
 
 
 def load_model(path: Path, threads: int | None = None, fuse: bool = True,
-               activations: Activations | None = None) -> torch.nn.Module:
-    """Load a cpu_int4 (or plain) checkpoint folder as a transformers model ready for ``generate``.
+               activations: Activations | None = None, base_model_ok: bool = False) -> torch.nn.Module:
+    """Load a cpu_int4 (or plain) checkpoint folder as a transformers model ready for ``generate``;
+    a base model (no head, see :func:`..io.structure.is_base_model`) only with ``base_model_ok``
+    (verify compares its hidden states), else InputError.
 
     Activations are bf16 between layers: unquantized float tensors are cast to bf16. The int4
     linears multiply them as ``activations`` says (default: the process's setting, see
@@ -79,12 +81,12 @@ def load_model(path: Path, threads: int | None = None, fuse: bool = True,
     check_against_checkpoint(config, {n: i.shape for n, i in reader.infos.items()})
     model = build_empty_model(config)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None:
+    if head is None and not base_model_ok:
         arch = (config.get("architectures") or ["this architecture"])[0]
         raise InputError(f"{path} is a base model ({arch}, no head), and int4q's runtime runs causal LMs; load it "
                          "with transformers' AutoModel, or quantize it with --format gguf for llama.cpp")
     _load_generation_config(model, path)
-    tied = tie_word_embeddings(config)
+    tied = tie_word_embeddings(config) and head is not None
     quantized_set = install_quantized_modules(model, reader, qc, tied, activations)
     for name, info in reader.infos.items():
         if not is_quantized_tensor(name, quantized_set):

@@ -189,23 +189,19 @@ def _is_base_model(qdir: Path) -> bool:
 def _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say,
                            step) -> CheckResult:
     """A base model's end-to-end check: its last hidden states against the source's over the same
-    windows (:func:`.fidelity.hidden_state_agreement`), both loaded by transformers' AutoModel (the
-    checkpoint through int4q's integration, on int4q's kernels)."""
-    import torch
-    from transformers import AutoModel
-
-    import quantizer.integrations.transformers  # noqa: F401  (registers cpu_int4 with transformers)
-
+    windows (:func:`.fidelity.hidden_state_agreement`), both loaded by int4q's runtime (the
+    checkpoint on int4q's kernels) as transformers' base model class."""
     from ..errors import UsageError
     from ..io.tokenizer import load_tokenizer
+    from ..runtime import load_model
     from .fidelity import hidden_state_agreement
 
     if max_kld is not None:
         raise UsageError(f"--max-kld compares logits, and {qdir} is a base model (no head) whose end-to-end check "
                          "compares hidden states; drop --max-kld")
     result = CheckResult("end to end")
-    loaded = _models_and_windows(lambda: (load_tokenizer(qdir), AutoModel.from_pretrained(source, dtype=torch.bfloat16),
-                                          AutoModel.from_pretrained(qdir)), text, ctx, max_windows, result)
+    loaded = _models_and_windows(lambda: (load_tokenizer(qdir), load_model(source, base_model_ok=True),
+                                          load_model(qdir, base_model_ok=True)), text, ctx, max_windows, result)
     if loaded is None:
         return result
     reference, quantized, _, windows, origin = loaded
