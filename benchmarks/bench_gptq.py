@@ -48,7 +48,7 @@ from quantizer.calibrate import (
 from quantizer.calibrate import state as calib_state  # noqa: E402
 from quantizer.calibrate.windows import CalibrationSettings  # noqa: E402
 from quantizer.memory import peak_rss_mb  # noqa: E402
-from quantizer.methods import gptq, gptq_method  # noqa: E402
+from quantizer.methods import gptq, gptq_method, hessian_factor  # noqa: E402
 from quantizer.methods.gram import add_gram  # noqa: E402
 from quantizer.quantization import layerwise  # noqa: E402
 from quantizer.quantization.planning import QuantizeOptions  # noqa: E402
@@ -90,7 +90,7 @@ def _attention_flops(q, k, *args, **kwargs):
 
 
 def _factor_flops(H, *args, **kwargs):
-    return float(H.shape[0]) ** 3
+    return float(H.shape[0]) ** 3 / 3  # one Cholesky factorisation
 
 
 def _loop_flops(W, factor, group_size, symmetric, act_order, block_size, *args, **kwargs):
@@ -99,7 +99,9 @@ def _loop_flops(W, factor, group_size, symmetric, act_order, block_size, *args, 
 
 
 def _report_flops(W, q, H, *args):
-    return 2.0 * W.shape[0] * H.shape[0] ** 2
+    n, k = W.shape
+    rows = len(range(0, n, max(1, -(-n * k * k // gptq_method.REPORT_WORK))))
+    return 2.0 * rows * k * k
 
 
 def instrument(clock: Clock) -> None:
@@ -114,7 +116,7 @@ def instrument(clock: Clock) -> None:
     F.scaled_dot_product_attention = clock.timed("attention", F.scaled_dot_product_attention, _attention_flops)
     native_attention.causal_attention = clock.timed("attention", native_attention.causal_attention, _attention_flops)
     gptq.HessianAccumulator.add = clock.timed("hessian", gptq.HessianAccumulator.add, _hessian_flops)
-    gptq._inverse_cholesky = clock.timed("factorisation", gptq._inverse_cholesky, _factor_flops)
+    hessian_factor._lower_cholesky = clock.timed("factorisation", hessian_factor._lower_cholesky, _factor_flops)
     gptq._solve_rows = clock.timed("column loop", gptq._solve_rows, _loop_flops)
     gptq_method._report = clock.timed("report", gptq_method._report, _report_flops)
     layerwise._materialize = clock.timed("io", layerwise._materialize)

@@ -2,8 +2,9 @@
 
 Given W [N, K] and the Hessian H = 2/n sum x x^T of the layer's inputs x [K], columns are
 quantized one at a time and each column's rounding error is spread over the columns not yet
-quantized, weighted by the inverse Hessian (its upper Cholesky factor, "Hinv"), in lazy
-blocks of ``block_size`` columns.
+quantized, in lazy blocks of ``block_size`` columns: inside a block through the paper's factor
+of the inverse Hessian, between blocks through the Cholesky factor of H itself
+(:mod:`.hessian_factor`), which needs no inverse.
 
 Groups use the format's grid (see grid.py). With ``act_order`` columns are visited in order of
 decreasing diag(H), and the groups stay *static*: each contiguous group's scale and zero are
@@ -14,8 +15,6 @@ K-quant super-blocks are static too, their grids fixed before the first column.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,19 +30,8 @@ from .grid import (
     row_chunks,
     weighted_grid_search,
 )
+from .hessian_factor import GptqInfo, HessianFactor, factorize
 from .recovery import with_recovered
-
-log = logging.getLogger(__name__)
-
-DAMP_RETRIES = 4  # each retry multiplies the damping by 10
-
-
-class NotPositiveDefinite(ValueError):
-    """The damped Hessian stayed indefinite through every retry; ``damp`` is the last one tried."""
-
-    def __init__(self, damp: float):
-        super().__init__(f"Hessian is not positive definite even at damp {damp:.3g}")
-        self.damp = damp
 
 
 class HessianAccumulator:
@@ -98,119 +86,6 @@ class HessianAccumulator:
         return self._factor[1]
 
 
-@dataclass(frozen=True)
-class GptqInfo:
-    """What the solve did: the damping that worked, the retries it needed, the dead columns (zero
-    Hessian diagonal: never seen by the calibration inputs) and, for a solved weight, the
-    calibration objective it reached."""
-
-    damp: float
-    retries: int
-    dead_columns: int
-    objective: float | None = None  # tr((W - Q) H (W - Q)^T) of a solved weight; None in a factor's info
-
-
-@dataclass(frozen=True)
-class HessianFactor:
-    """What every linear on one input shares: the visiting order ``perm`` of the columns, the
-    upper Cholesky factor ``U`` of the damped inverse Hessian in that order, the ``dead`` columns
-    (bool [K], original order), the ``ridge`` added to every diagonal entry and what the damping
-    took (``info``)."""
-
-    U: torch.Tensor
-    perm: torch.Tensor
-    dead: torch.Tensor
-    ridge: float
-    info: GptqInfo
-
-
-def factorize(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> HessianFactor:
-    """The factor of Hessian H [K, K] for :func:`gptq_quantize`: dead columns get diagonal 1,
-    columns are visited by decreasing diag(H) with ``act_order``, and ``damp`` * mean(diag H) is
-    added to the diagonal (ten times more per retry where H is not positive definite)."""
-    k = H.shape[0]
-    diag = torch.diag(H).to(torch.float32)
-    dead = diag == 0
-    diag = diag.masked_fill(dead, 1.0)
-    perm = torch.argsort(diag, descending=True) if act_order else torch.arange(k, device=H.device)
-    U, used_damp, retries, ridge = _inverse_cholesky(H, perm, dead, damp)
-    return HessianFactor(U, perm, dead, ridge, GptqInfo(used_damp, retries, int(dead.sum())))
-
-
-def _reversed(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, rows: int = 256) -> torch.Tensor:
-    """P H P in fp32 for visiting order ``perm`` (P the reversal of that order), dead columns'
-    diagonal 1: a new matrix, gathered ``rows`` rows at a time (no K x K index tensor)."""
-    backwards = perm.flip(0)
-    source = H.to(torch.float32)
-    reversed_h = torch.empty_like(source)
-    for i in range(0, H.shape[0], rows):
-        torch.index_select(source.index_select(0, backwards[i:i + rows]), 1, backwards, out=reversed_h[i:i + rows])
-    reversed_h.diagonal()[dead[backwards]] = 1.0
-    return reversed_h
-
-
-def _inverse_cholesky(H: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor,
-                      damp: float) -> tuple[torch.Tensor, float, int, float]:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) for H [K, K] visited in order ``perm`` (dead
-    columns' diagonal taken as 1), after adding the ridge damp * mean(diag H) to the diagonal;
-    retries with 10x the damping when H is not positive definite. Returns (U, the damping used,
-    the retries, the ridge added).
-
-    With L the lower Cholesky factor of P H P, U = P L^-1 P: one factorisation and one
-    triangular inverse (K^3 / 3 multiply-adds each). Besides H, one K x K matrix is held: P H P
-    is factorised, inverted and flipped in its own storage, as every fresh K x K buffer is
-    faulted in page by page."""
-    mean_diag = None
-    for retry in range(DAMP_RETRIES + 1):
-        d = damp * 10**retry
-        damped = _reversed(H, perm, dead)  # made anew for each try
-        if mean_diag is None:
-            mean_diag = torch.mean(torch.diag(damped).flip(0)).item() or 1.0
-        damped.diagonal().add_(d * mean_diag)
-        L = damped.mT  # the same symmetric matrix, column-major: LAPACK factorises it in place
-        info = torch.empty((), dtype=torch.int32, device=L.device)
-        torch.linalg.cholesky_ex(L, out=(L, info))
-        if info.item() == 0:
-            if retry:
-                log.warning("Hessian not positive definite at damp %.3g; used damp %.3g "
-                            "(more calibration samples, or a larger --damp, avoid this)", damp, d)
-            invert_lower(L)
-            flip_in_place(damped)  # L.flip(0, 1) is damped.flip(0, 1).mT
-            return L, d, retry, d * mean_diag
-    raise NotPositiveDefinite(damp * 10**DAMP_RETRIES)
-
-
-def invert_lower(L: torch.Tensor, leaf: int = 512) -> None:
-    """Lower-triangular L [K, K] with a positive diagonal becomes L^-1, in place, by halves: the
-    inverse of [[A, 0], [C, D]] is [[A^-1, 0], [-D^-1 C A^-1, D^-1]], its corner from two
-    triangular solves made before A and D are inverted."""
-    k = L.shape[0]
-    if k <= leaf:
-        L.copy_(torch.linalg.solve_triangular(L, torch.eye(k, dtype=L.dtype, device=L.device), upper=False))
-        return
-    h = k // 2
-    corner = torch.linalg.solve_triangular(L[:h, :h], L[h:, :h], upper=False, left=False)
-    L[h:, :h] = torch.linalg.solve_triangular(L[h:, h:], corner, upper=False, out=corner).neg_()
-    del corner
-    invert_lower(L[:h, :h], leaf)
-    invert_lower(L[h:, h:], leaf)
-
-
-def flip_in_place(M: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """M [K, K] becomes M.flip(0, 1) in its own storage, ``block`` rows from each end at a time;
-    returns M."""
-    k = M.shape[0]
-    half = k // 2
-    for i in range(0, half, block):
-        j = min(i + block, half)
-        top = M[i:j].flip(0, 1)
-        M[i:j] = M[k - j:k - i].flip(0, 1)
-        M[k - j:k - i] = top
-    if k % 2:
-        M[half] = M[half].flip(0)
-    return M
-
-
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, group_size: int, symmetric: bool = False,
                   act_order: bool = True, damp: float = 0.01, block_size: int = 128,
                   storage: Storage = BF16, weighted_grids: bool = False,
@@ -238,32 +113,28 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
                 weights=None) -> tuple[GroupQuantized, float]:
     """The GPTQ column loop for rows W [n, K] given the factor; ``weights`` [K] (original order)
     for weighted grids. Returns the quantized rows and the sum of their squared scaled errors
-    (each column's rounding error over U's diagonal). Inside a block the columns are worked on
-    as contiguous rows of its transpose, with each column's grid looked up, not recomputed."""
-    W = W.to(torch.float32).clone()
-    W[:, factor.dead] = 0.0
+    (each column's rounding error times R's diagonal).
+
+    Each column is rounded at its weight plus the feedback of the errors of the columns rounded
+    before it (:mod:`.hessian_factor`). ``targets`` [n, K] holds the weights plus the finished
+    blocks' feedback; a block's own runs through the paper's column kernel on the block's U1,
+    which is handed the weights whose updates there add up to the same targets. Inside a block
+    the columns are worked on as contiguous rows of its transpose, with each column's grid looked
+    up, not recomputed."""
+    source = W
     n, k = W.shape
     groups = k // group_size
-
-    def params_of(cols: torch.Tensor, first: int):
-        """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``."""
-        if weights is None and not storage.codebook:
-            return with_recovered(cols, *grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage), storage,
-                                  symmetric)
-        shape = (cols.shape[1], group_size)
-        w = torch.ones(shape, device=W.device) if weights is None else \
-            weights[first:first + cols.shape[1] * group_size].reshape(shape)
-        return weighted_grid_search(cols, w, symmetric, storage)[:2]
-
     stored = storage.exact_dtype
     scale = torch.empty(n, groups, dtype=stored, device=W.device)
     zero = torch.empty(n, groups, dtype=stored, device=W.device)
     static = act_order or storage.couples(groups)  # a super-block's groups share their grids' units
-    if static:
-        scale[:], zero[:] = params_of(W.reshape(n, groups, group_size), 0)  # from the original weights
-    perm, U = factor.perm, factor.U
-    if act_order:
-        W = W[:, perm]
+    perm = factor.perm
+    visit = perm if act_order else None
+    if static:  # from the original weights
+        original = _columns(source, factor, None).reshape(n, groups, group_size)
+        scale[:], zero[:] = _group_params(original, 0, weights, symmetric, storage)
+        del original
+    targets = _columns(source, factor, visit)
     grid = ColumnGrids(n, perm // group_size)  # the group of each (permuted) column
     group_of = grid.group_of.tolist()
     if static:
@@ -272,25 +143,74 @@ def _solve_rows(W, factor: HessianFactor, group_size, symmetric, act_order, bloc
     scaled_errors = torch.zeros((), dtype=torch.float64, device=W.device)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].t().contiguous()
-        Err1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2].contiguous()
+        C1, U1 = factor.block(i1, i2)
+        W1 = _columns(source, factor, visit, i1, i2).t()
+        V1 = torch.linalg.solve_triangular(C1, targets[:, i1:i2].t() - W1, upper=False, unitriangular=True)
+        V1 = V1.add_(W1).contiguous()
+        Err1 = torch.empty_like(V1)
         starts = [i1] if static else sorted({i1, *range(-(-i1 // group_size) * group_size, i2, group_size)})
         for a, b in zip(starts, [*starts[1:], i2]):
-            if not static and a % group_size == 0:
-                # lazy groups start at a: params from the weights as updated so far (this block's in W1)
-                cols = torch.cat([W1[a - i1:a - i1 + group_size].t(), W[:, i2:a + group_size]], dim=1)
-                s, z = params_of(cols.unsqueeze(1), a)
+            if not static and a % group_size == 0:  # a lazy group starts at a: its grid from its weights so far
+                cols = _lazy_group(source, targets, V1, factor, i1, i2, a, group_size)
+                s, z = _group_params(cols.unsqueeze(1), a, weights, symmetric, storage)
                 scale[:, group_of[a]], zero[:, group_of[a]] = s[:, 0], z[:, 0]
                 grid.set(range(group_of[a], group_of[a] + 1), s[:, 0], z[:, 0])
-            solve_columns(W1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits,
+            solve_columns(V1, U1, grid.block(i1, i2), codes[i1:i2], Err1, a - i1, b - i1, storage.bits,
                           storage.codebook)
-        W[:, i2:].addmm_(Err1.t().contiguous(), U[i1:i2, i2:], alpha=-1)  # in place: no [n, K] temporary
+        errors = _block_errors(W1, V1, Err1, U1, i2 - i1)
+        targets[:, i2:].addmm_(errors.t(), factor.feedback[i1:i2, i2:])
         scaled_errors += Err1.square().sum(dtype=torch.float64)
     codes = codes.t().to(torch.uint8)
     if act_order:
         codes = codes[:, torch.argsort(perm)]
     return GroupQuantized(codes, scale, zero, storage.bits, storage.codebook), scaled_errors.item()
+
+
+def _columns(source: torch.Tensor, factor: HessianFactor, visit: torch.Tensor | None, i1: int = 0,
+             i2: int | None = None) -> torch.Tensor:
+    """Visited columns [i1, i2) of ``source`` [n, K] as fp32, in their visiting order ``visit``
+    (None: as they are), dead columns 0: a new tensor."""
+    index = slice(i1, i2) if visit is None else visit[i1:i2]
+    cols = source[:, index]
+    if cols.dtype != torch.float32:
+        cols = cols.to(torch.float32)
+    elif isinstance(index, slice):
+        cols = cols.clone()  # not a view of the source
+    return cols.masked_fill_(factor.dead[index], 0.0) if factor.info.dead_columns else cols
+
+
+def _lazy_group(source, targets, V1, factor: HessianFactor, i1: int, i2: int, a: int, group_size: int) -> torch.Tensor:
+    """Columns [a, a + group) [n, group] as the paper's loop holds them when column a is next: in
+    the block, the column kernel's rows of V1; past it, the weights with the finished blocks'
+    updates, which are their feedback (``targets`` less the weights) through the inverse of the
+    unit factor from the block's first column on."""
+    end = a + group_size
+    cols = V1[a - i1:end - i1].t()
+    if end <= i2:
+        return cols
+    weights = _columns(source, factor, None, i1, end)
+    ahead = torch.linalg.solve_triangular(factor.feedback[i1:end, i1:end].t(), (targets[:, i1:end] - weights).t(),
+                                          upper=False, unitriangular=True)[i2 - i1:]
+    return torch.cat([cols, ahead.t() + weights[:, i2 - i1:]], dim=1)
+
+
+def _block_errors(W1: torch.Tensor, V1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, count: int) -> torch.Tensor:
+    """The errors w - q [count, n] of a block's first ``count`` columns once rounded: the column
+    kernel leaves each at its target t in V1 and writes (t - q) / U1_ii into Err1."""
+    return (W1[:count] - V1[:count]).addcmul_(Err1[:count], U1.diagonal()[:count].unsqueeze(1))
+
+
+def _group_params(cols: torch.Tensor, first: int, weights: torch.Tensor | None, symmetric: bool,
+                  storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of groups cols [n, G, group] whose first original column is ``first``: their
+    min/max grids, or with ``weights`` [K] (or a codebook) the weighted search's."""
+    if weights is None and not storage.codebook:
+        return with_recovered(cols, *grid_params(cols.amin(-1), cols.amax(-1), symmetric, storage), storage,
+                              symmetric)
+    shape = cols.shape[1:]
+    w = torch.ones(shape, device=cols.device) if weights is None else \
+        weights[first:first + shape[0] * shape[1]].reshape(shape)
+    return weighted_grid_search(cols, w, symmetric, storage)[:2]
 
 
 def solved_objective(scaled_errors: float, W: torch.Tensor, q: GroupQuantized, factor: HessianFactor) -> float:

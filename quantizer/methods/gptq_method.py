@@ -23,6 +23,8 @@ from .grid import (
 )
 from .rtn import quantize_rtn
 
+REPORT_WORK = 1 << 36  # multiply-adds of the report's round-to-nearest objective over all rows, at most
+
 
 @dataclass(frozen=True)
 class GptqSettings:
@@ -66,27 +68,35 @@ class GptqMethod:
         loss = info.objective
         if o.refine and scheme.symmetric and not storage.superblock and not storage.codebook:  # linear, free scales
             gq, loss = refine_symmetric(weight, H, gq, storage)
-        err, rtn_loss = _report(weight, gq, H, scheme, storage)
+        err, rtn_loss, rtn_rows = _report(weight, gq, H, scheme, storage)
         return gq, {
-            **err.as_dict(), "method": "gptq", "gptq_loss": loss, "rtn_loss": rtn_loss,
+            **err.as_dict(), "method": "gptq", "gptq_loss": loss, "rtn_loss": rtn_loss, "rtn_loss_rows": rtn_rows,
             "damp": info.damp, "damp_retries": info.retries, "dead_columns": info.dead_columns,
         }
 
 
 def _report(weight: torch.Tensor, gq: GroupQuantized, H: torch.Tensor, scheme: ModuleScheme,
-            storage: Storage) -> tuple[ErrorStats, float]:
+            storage: Storage) -> tuple[ErrorStats, float, int]:
     """GPTQ's error statistics against ``weight`` [N, K], and round-to-nearest's objective on the
-    same H: row chunks bound the fp32 copies of a large head, and the elementwise passes run on
-    cache-sized pieces of them."""
-    err, rtn_loss = ErrorStats(), 0.0
-    rtn_storage = dataclasses.replace(BF16, bits=storage.bits, codebook=storage.codebook)
-    for start in range(0, weight.shape[0], ROW_CHUNK):
+    same H with the rows it was measured on. Rows' objectives add up, so where all N would cost
+    more than :data:`REPORT_WORK` multiply-adds (N K^2; a 7B down projection's 1.3e12 take as
+    long as its factorisation) it is the sum over every s-th row times N over their count. Row
+    chunks bound the fp32 copies of a large head, and the elementwise passes run on cache-sized
+    pieces of them."""
+    n, k = weight.shape
+    err = ErrorStats()
+    for start in range(0, n, ROW_CHUNK):
         w, q = weight[start:start + ROW_CHUNK], gq.rows(slice(start, start + ROW_CHUNK))
+        for rows in row_chunks(*w.shape):
+            err.add(w[rows].to(torch.float32), q.rows(rows).dequantize())
+    sampled = weight[::max(1, -(-n * k * k // REPORT_WORK))]
+    rtn_storage = dataclasses.replace(BF16, bits=storage.bits, codebook=storage.codebook)
+    rtn_loss = 0.0
+    for start in range(0, sampled.shape[0], ROW_CHUNK):
+        w = sampled[start:start + ROW_CHUNK].contiguous()
         rtn_error = torch.empty(w.shape, dtype=torch.float32, device=w.device)
         for rows in row_chunks(*w.shape):
-            w32 = w[rows].to(torch.float32)
-            err.add(w32, q.rows(rows).dequantize())
             rtn = quantize_groupwise(w[rows], scheme.group_size, symmetric=scheme.symmetric, storage=rtn_storage)
-            torch.sub(w32, rtn.dequantize(), out=rtn_error[rows])
+            torch.sub(w[rows].to(torch.float32), rtn.dequantize(), out=rtn_error[rows])
         rtn_loss += error_objective(rtn_error, H)
-    return err, rtn_loss
+    return err, rtn_loss * n / sampled.shape[0], sampled.shape[0]

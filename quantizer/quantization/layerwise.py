@@ -43,7 +43,7 @@ from ..io.checkpoint import CheckpointReader
 from ..io.shards import ShardWriter, TensorSpec, file_specs
 from ..io.structure import build_empty_model, decoder_layers
 from ..memory import peak_rss_mb, proc_status_mb
-from ..methods.gptq import NotPositiveDefinite
+from ..methods.hessian_factor import NotPositiveDefinite
 from ..methods.grid import GroupQuantized
 from ..schema.methods import UNCALIBRATED
 from ..schema.scheme import ModuleScheme

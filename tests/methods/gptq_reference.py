@@ -18,6 +18,19 @@ def reference_inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
+def papers_factor(factor, block_size: int) -> torch.Tensor:
+    """The paper's upper Cholesky factor U of the damped inverse Hessian in the visiting order
+    (H'^-1 = U^T U), from a :class:`HessianFactor`'s R (H' = R^T R): U = R^-T in fp64, with each
+    lazy block's diagonal block the one the factor hands the column kernel."""
+    R = factor.feedback.t().double() * factor.diagonal.double().unsqueeze(1)
+    k = R.shape[0]
+    U = torch.linalg.solve_triangular(R, torch.eye(k, dtype=torch.float64), upper=False).t().float()
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        U[i1:i2, i1:i2] = factor.block(i1, i2)[1]
+    return U
+
+
 def reference_gptq(W, U, perm, group_size, symmetric=False, act_order=True, block_size=128, weights=None):
     """Codes, scale, zero of W [n, K] for the factor U of the permuted inverse Hessian."""
     W = W.to(torch.float32).clone()
