@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ..errors import InputError, UsageError
 from .structure import CheckResult, check_structure
 from .tensors import check_kernel_layout, check_round_trip
 
@@ -19,6 +20,9 @@ def run_verify(qdir: Path, source: Path | None, text: Path | None, ctx: int, max
 
     if is_gguf_path(qdir):
         return run_verify_gguf(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, say, step)
+    if max_kld is not None and _is_base_model(qdir):
+        raise UsageError(f"--max-kld compares logits, and {qdir} is a base model (no head) whose end-to-end check "
+                         "compares hidden states; drop --max-kld")
     checks: list[CheckResult] = []
     report: dict = {"checkpoint": str(qdir), "source": str(source) if source else None}
     numbers: list[str] = []
@@ -134,7 +138,7 @@ def _end_to_end(qdir, source, text, ctx, max_windows, greedy_tokens, max_kld, re
     from .fidelity import greedy_agreement, teacher_forced
 
     if load_quantized is None and _is_base_model(qdir):
-        return _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say, step)
+        return _base_model_end_to_end(qdir, source, text, ctx, max_windows, report, numbers, say, step)
     result = CheckResult("end to end")
     loaded = _models_and_windows(lambda: (load_tokenizer(source if load_quantized else qdir), load_model(source),
                                           load_quantized() if load_quantized else load_model(qdir)),
@@ -180,25 +184,26 @@ def _models_and_windows(load, text, ctx: int, max_windows: int, result: CheckRes
 
 
 def _is_base_model(qdir: Path) -> bool:
+    """Whether ``qdir``'s config names a base model (no head); False where it cannot be read,
+    which the structure check reports."""
     from ..io.checkpoint import read_config
     from ..io.structure import is_base_model
 
-    return is_base_model(read_config(qdir))
+    try:
+        return is_base_model(read_config(qdir))
+    except InputError:
+        return False
 
 
-def _base_model_end_to_end(qdir, source, text, ctx, max_windows, max_kld, report, numbers, say,
+def _base_model_end_to_end(qdir, source, text, ctx, max_windows, report, numbers, say,
                            step) -> CheckResult:
     """A base model's end-to-end check: its last hidden states against the source's over the same
     windows (:func:`.fidelity.hidden_state_agreement`), both loaded by int4q's runtime (the
     checkpoint on int4q's kernels) as transformers' base model class."""
-    from ..errors import UsageError
     from ..io.tokenizer import load_tokenizer
     from ..runtime import load_model
     from .fidelity import hidden_state_agreement
 
-    if max_kld is not None:
-        raise UsageError(f"--max-kld compares logits, and {qdir} is a base model (no head) whose end-to-end check "
-                         "compares hidden states; drop --max-kld")
     result = CheckResult("end to end")
     loaded = _models_and_windows(lambda: (load_tokenizer(qdir), load_model(source, base_model_ok=True),
                                           load_model(qdir, base_model_ok=True)), text, ctx, max_windows, result)

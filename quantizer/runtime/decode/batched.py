@@ -29,9 +29,7 @@ class BatchedDecoder:
     def __init__(self, model: torch.nn.Module, sequences: int, max_len: int):
         if sequences < 1:
             raise InputError(f"a batch needs at least one sequence, not {sequences}")
-        decoder = FastDecoder(model, max_len)
-        decoder.keys = [torch.zeros((sequences, *k.shape[1:]), dtype=k.dtype) for k in decoder.keys]
-        decoder.values = [torch.zeros_like(k) for k in decoder.keys]
+        decoder = FastDecoder(model, max_len, sequences)
         self._caches = decoder.keys, decoder.values
         self._point_at(decoder, 0)
         single = native_step(decoder)

@@ -322,13 +322,15 @@ class FastDecoder(SteppedDecoder):
 
     ``forward(ids)`` appends ``ids`` [1, T] and returns the last position's logits [1, V].
     ``compiled``, when set, is a compiled :func:`decode_step` used for single-token steps;
-    ``pending``, when set, is asked for it before each single-token step.
+    ``pending``, when set, is asked for it before each single-token step. With ``sequences`` > 1
+    its caches hold that many sequences (first dimension) for a batched decoder, which points
+    the one-sequence paths at one of them at a time.
     """
 
     step_function = staticmethod(decode_step)
     compile_options: dict = {}
 
-    def __init__(self, model: torch.nn.Module, max_len: int):
+    def __init__(self, model: torch.nn.Module, max_len: int, sequences: int = 1):
         reason = unsupported_reason(model, max_len)
         if reason:
             raise InputError(f"the fast decoder cannot run this model: {reason}")
@@ -338,7 +340,7 @@ class FastDecoder(SteppedDecoder):
         self.norm, self.embed, self.head = base.norm, model.get_input_embeddings(), model.get_output_embeddings()
         attn = self.layers[0].self_attn
         self.scale = attn.scaling
-        kv_shape = (1, config.num_key_value_heads, max_len, attn.head_dim)
+        kv_shape = (sequences, config.num_key_value_heads, max_len, attn.head_dim)
         self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
         with torch.inference_mode():
