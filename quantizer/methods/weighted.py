@@ -75,7 +75,7 @@ class WeightedRounding:
             q, err = quantize_rtn(weight, scheme, storage=storage)
             return q, {**err.as_dict(), "method": UNCALIBRATED}
         nearest, _ = quantize_rtn(weight, scheme, storage=storage, column_weights=stats.value)
-        q = nearest if storage.codebook else refine_codes(weight, nearest, stats.blocks)  # steps: linear grids
+        q = refine_codes(weight, nearest, stats.blocks)
         err = ErrorStats()
         for rows in range(0, weight.shape[0], ROW_CHUNK):
             err.add(weight[rows:rows + ROW_CHUNK], q.rows(slice(rows, rows + ROW_CHUNK)).dequantize())

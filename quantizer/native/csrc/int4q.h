@@ -141,8 +141,9 @@ void int4q_gptq_columns(float *w, const float *u, int64_t b, const float *scale,
                         const uint8_t *flat, float *codes, float *err, int64_t n, int64_t first, int64_t last,
                         int64_t r0, int64_t r1, int64_t qmax);
 
-void int4q_refine_codes(int16_t *codes, const float *step, float *pull, const float *blocks, int64_t groups, int64_t b,
-                        int64_t qmax, int64_t sweeps, int64_t r0, int64_t r1);
+void int4q_refine_codes(int16_t *codes, const float *step, float *pull, const float *blocks, const float *rise,
+                        const float *fall, int64_t groups, int64_t b, int64_t qmax, int64_t sweeps, int64_t r0,
+                        int64_t r1);
 
 void int4q_grid_scores(const float *x, const float *w, const float *scale, const float *zero, float *out,
                        int64_t groups, int64_t group, int64_t first, int64_t last, int64_t top);
