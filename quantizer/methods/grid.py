@@ -30,7 +30,8 @@ from .candidates import ERROR, WU, WUG, WUU, grid_scores
 from .codebook import codebook_search, dequantize_levels
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .recovery import with_recovered
-from .superblock import superblock_grids
+from .llama_kquants import STRETCHES, llama_superblock_grids
+from .superblock import better_superblocks, superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
 SEARCH_CHUNK = 1 << 19
@@ -240,8 +241,11 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
         scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage.for_row(g.shape[1]))
         if not storage.couples(g.shape[1]):
             return scale, zero, codes
-        scale, zero = with_recovered(g, *superblock_grids(scale, zero, storage, symmetric, g, weights), storage,
-                                     symmetric, weights)
+        scale, zero = superblock_grids(scale, zero, storage, symmetric, g, weights)
+        if not symmetric and bits in STRETCHES:  # llama.cpp's own grids are candidates too
+            scale, zero = better_superblocks(g, weights, bits, storage.superblock, (scale, zero),
+                                             llama_superblock_grids(g, bits, storage.superblock))
+        scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
         return scale, zero, round_to_grid(g, scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)

@@ -99,3 +99,19 @@ def fp16_units(values: torch.Tensor, levels: tuple[int, int], tolerance: float =
         ok = ~found & (u != 0) & ((got >= low) & (got <= high) & near).all(dim=-1, keepdim=True)
         unit, found = torch.where(ok, u, unit), found | ok
     return unit, torch.round(values / torch.where(unit == 0, 1.0, unit)).to(torch.int64), found
+
+
+def better_superblocks(g: torch.Tensor, weights: torch.Tensor | None, bits: int, per_block: int,
+                       ours: tuple[torch.Tensor, torch.Tensor],
+                       theirs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per super-block of ``per_block`` groups, whichever of two stored grids (scale, zero) [N, G]
+    gives the lesser squared error on g [N, G, group] with nearest codes (weighted by ``weights``
+    [G, group]); ``ours`` on a tie."""
+    n, groups, _ = g.shape
+
+    def block_error(grid: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        err = grid_scores(g, *grid, weights, bits)[..., ERROR].to(torch.float64)
+        return err.reshape(n, groups // per_block, per_block).sum(-1, keepdim=True)
+
+    take = (block_error(theirs) < block_error(ours)).expand(n, groups // per_block, per_block).reshape(n, groups)
+    return torch.where(take, theirs[0], ours[0]), torch.where(take, theirs[1], ours[1])
