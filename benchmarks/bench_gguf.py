@@ -9,6 +9,9 @@ matrix int4q's weighted run wrote (``--imatrix-out``). Every file is then scored
 ratio) and timed by ``llama-bench`` (pp512, tg128), one file at a time, same threads. With
 ``--llama-types`` and ``--targets``, llama-quantize's other types (with the importance matrix) and
 int4q's ``--target-bpw`` files join them: the points and curves of the Pareto plot (plots.py).
+With ``--chat N``, every file is also scored on N windows of chat-formatted held-out text, whose
+tokens and 16-bit log probabilities :mod:`chat_logits` writes (llama-perplexity cannot tokenize a
+chat template's special tokens itself); the bf16 GGUF's own score there is llama.cpp's floor.
 
     python benchmarks/bench_gguf.py --model models/smollm2 --work /tmp/bench-gguf --threads 2 --json out.json
 
@@ -63,11 +66,16 @@ def number(pattern: str, text: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def fidelity(bin_dir: Path, gguf: Path, base: Path, text: Path, ctx: int, chunks: int, threads: int, log: Path):
+def fidelity(bin_dir: Path, gguf: Path, base: Path, text: Path, ctx: int, chunks: int, threads: int, log: Path,
+             prefix: str = ""):
+    """Mean and 99.9th-percentile KLD, same top token %, PPL ratio of ``gguf`` against ``base``
+    (keys prefixed by ``prefix``)."""
     out = sh([bin_dir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads,
               "--kl-divergence-base", base, "--kl-divergence"], log)
-    return {"kld": number(r"Mean\s+KLD:\s+([-\d.]+)", out), "top1": number(r"Same top p:\s+([\d.]+)", out),
-            "ppl_ratio": number(r"Mean PPL\(Q\)/PPL\(base\)\s+:\s+([\d.]+)", out)}
+    return {prefix + "kld": number(r"Mean\s+KLD:\s+([-\d.]+)", out),
+            prefix + "kld999": number(r"99\.9%\s+KLD:\s+([-\d.]+)", out),
+            prefix + "top1": number(r"Same top p:\s+([\d.]+)", out),
+            prefix + "ppl_ratio": number(r"Mean PPL\(Q\)/PPL\(base\)\s+:\s+([\d.]+)", out)}
 
 
 def speeds(bin_dir: Path, files: list[Path], threads: int, reps: int, log: Path) -> list[dict]:
@@ -106,6 +114,10 @@ def prepare(args, work: Path, log: Path) -> tuple[Path, Path, Path, Path]:
     if not base.exists():
         sh([args.llama_bin / "llama-perplexity", "-m", bf16, "-f", evalt, "-c", args.ctx, "--chunks", args.chunks,
             "-t", args.threads, "--kl-divergence-base", base], log)
+    if args.chat and not (work / "chat.kld").exists():
+        from chat_logits import write_base
+
+        write_base(args.model, bf16, work / "chat.kld", args.ctx, args.chat)
     imatrix = work / "imatrix.gguf"
     if not imatrix.exists():
         chunks = ["--chunks", args.imatrix_chunks] if args.imatrix_chunks else []
@@ -210,6 +222,8 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, help="tokens per calibration window (default: int4q's, 512)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (0: skip the speed columns)")
     ap.add_argument("--no-fidelity", action="store_true", help="only the speed columns")
+    ap.add_argument("--chat", type=int, default=0, metavar="N",
+                    help="also score every file on N windows of chat-formatted held-out text")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -217,11 +231,16 @@ def main() -> None:
     bf16, base, imatrix, evalt = prepare(args, args.work, log)
     rows = []
     made = arms(args, args.work, bf16, imatrix, log)
+    if args.chat:
+        made.insert(0, ("llama.cpp bf16 (the chat reference's floor)", bf16, 0.0))
     for label, path, seconds in made:
         row = {"arm": label, "file": str(path), "mb": round(path.stat().st_size / 1e6, 2),
                "bpw": bits_per_weight(path), "make_s": round(seconds, 1)}
-        if not args.no_fidelity:
+        if not args.no_fidelity and path != bf16:
             row.update(fidelity(args.llama_bin, path, base, evalt, args.ctx, args.chunks, args.threads, log))
+        if args.chat and not args.no_fidelity:
+            row.update(fidelity(args.llama_bin, path, args.work / "chat.kld", evalt, args.ctx, args.chat,
+                                args.threads, log, prefix="chat_"))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.reps:
@@ -229,10 +248,13 @@ def main() -> None:
             row.update(speed)
     print(f"\n{args.model.name}, eval: {args.chunks} x {args.ctx} tokens of the held-out text, "
           f"{args.threads} threads\n")
-    print("| arm | MB | bpw | mean KLD | same top-1 % | PPL ratio | pp512 t/s | tg128 t/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    keys = ("kld", "kld999", "top1", "ppl_ratio", *(("chat_kld", "chat_kld999", "chat_top1") if args.chat else ()))
+    heads = {"kld": "mean KLD", "kld999": "99.9% KLD", "top1": "same top-1 %", "ppl_ratio": "PPL ratio",
+             "chat_kld": "chat mean KLD", "chat_kld999": "chat 99.9% KLD", "chat_top1": "chat same top-1 %"}
+    print(f"| arm | MB | bpw | {' | '.join(heads[k] for k in keys)} | pp512 t/s | tg128 t/s |")
+    print("| --- " * (len(keys) + 5) + "|")
     for r in rows:
-        fid = " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in ("kld", "top1", "ppl_ratio"))
+        fid = " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in keys)
         print(f"| {r['arm']} | {r['mb']} | {r['bpw']} | {fid} | {r.get('pp512', '-')} | {r.get('tg128', '-')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
