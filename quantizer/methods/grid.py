@@ -30,7 +30,7 @@ from .candidates import ERROR, WU, WUG, WUU, grid_scores
 from .codebook import codebook_search, dequantize_levels
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .recovery import with_recovered
-from .llama_kquants import STRETCHES, llama_superblock_grids
+from .llama_searches import llama_grids
 from .superblock import better_superblocks, superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -194,10 +194,9 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
         return GroupQuantized(codes.reshape(w.shape), scale, zero, bits, storage.codebook)
     if storage.superblock and not storage.couples(g.shape[1]):
         return quantize_groupwise(w, group_size, symmetric, clip_search, storage.for_row(g.shape[1]), column_weights)
-    if storage.superblock and column_weights is None:  # K-quants search their grids, as llama.cpp's do
-        column_weights = torch.ones(w.shape[1], device=w.device)
-    if column_weights is not None:
-        scale, zero, codes = weighted_grid_search(g, column_weights.reshape(g.shape[1:]), symmetric, storage)
+    if column_weights is not None or storage.superblock:  # K-quants search their grids, as llama.cpp's do
+        weights = None if column_weights is None else column_weights.reshape(g.shape[1:])
+        scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage)
         return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale, zero = grid_params(lo, hi, symmetric, storage)
@@ -220,10 +219,11 @@ def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
     return GroupQuantized(codes.reshape(w.shape), scale, zero, bits)
 
 
-def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool,
+def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor | None, symmetric: bool,
                          storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
-    weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0.
+    weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0 (None: all 1, and
+    no importance matrix: llama.cpp's K-quant candidates are then those of its search without one).
 
     Candidates: the min/max grid, each range scaled by the factors of ``WEIGHTED_SHRINKS``, and for
     each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a
@@ -234,7 +234,8 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
     if len(chunks) > 1:
         parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
         return tuple(torch.cat(t) for t in zip(*parts))
-    bits = storage.bits
+    bits, importance = storage.bits, weights
+    weights = torch.ones(g.shape[1:], device=g.device) if weights is None else weights
     if storage.codebook:
         return codebook_search(g, weights.to(torch.float32), storage)
     if storage.superblock:
@@ -242,9 +243,9 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
         if not storage.couples(g.shape[1]):
             return scale, zero, codes
         scale, zero = superblock_grids(scale, zero, storage, symmetric, g, weights)
-        if not symmetric and bits in STRETCHES:  # llama.cpp's own grids are candidates too
-            scale, zero = better_superblocks(g, weights, bits, storage.superblock, (scale, zero),
-                                             llama_superblock_grids(g, bits, storage.superblock))
+        theirs = llama_grids(g, bits, storage.superblock, symmetric, importance)
+        if theirs is not None:  # llama.cpp's own grids are candidates too
+            scale, zero = better_superblocks(g, weights, bits, storage.superblock, (scale, zero), theirs)
         scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
         return scale, zero, round_to_grid(g, scale, zero, bits)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -261,6 +262,9 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor, symmetric: bool
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
+    theirs = llama_grids(g, bits, None, symmetric, importance) if storage.zero == "min" else None
+    if theirs is not None:  # llama.cpp's own grids are candidates too
+        scale, zero = better_superblocks(g, weights, bits, 1, (scale, zero), theirs)
     scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
     return scale, zero, round_to_grid(g, scale, zero, bits)
 

@@ -194,8 +194,8 @@ def test_super_block_grids_are_6_bit_multiples_of_two_fp16_units_with_lowest_poi
         units = [(block.max() / top).to(torch.float16).to(torch.float64) for top in range(63, 0, -1)]
         assert block.max() == 0 or any(bool((block / u == (block / u).round()).all()) and (block / u).max() <= 63
                                        for u in units if u > 0)
-    got = quantize_groupwise(w, 32, storage=storage)  # K-quant grids are searched, with equal weights
-    searched = weighted_grid_search(w.reshape(3, 8, 32), torch.ones(8, 32), False, storage)
+    got = quantize_groupwise(w, 32, storage=storage)  # K-quant grids are searched, without an importance matrix
+    searched = weighted_grid_search(w.reshape(3, 8, 32), None, False, storage)
     assert torch.equal(got.scale, searched[0]) and torch.equal(got.zero, searched[1]) and got.bits == bits
     rel = (got.dequantize() - w).pow(2).sum() / w.pow(2).sum()
     assert rel < 0.02 / 4 ** (bits - 4)
