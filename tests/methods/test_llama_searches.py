@@ -21,19 +21,17 @@ from quantizer.methods.llama_searches import (
 from quantizer.methods.superblock import better_superblocks, fp16_units
 
 
-def ggml_group(x: np.ndarray, bits: int) -> tuple[float, float, float]:
-    """ggml's make_qkx2_quants on one group (weights rms + |x|), line by line in fp32:
-    (step, value of code 0, its weighted error)."""
+def ggml_qkx(x: np.ndarray, w: np.ndarray, nmax: int, stretch: tuple[float, float, int]) -> tuple[float, float, float]:
+    """ggml's make_qkx2_quants / make_qkx3_quants on one group x with weights w, line by line in
+    fp32: (step, value of code 0, its weighted error)."""
     f = np.float32
-    nmax = 2**bits - 1
-    rmin, rdelta, nstep = STRETCHES[bits]
-    w = f(np.sqrt(f(np.sum(x * x, dtype=f) / f(len(x))))) + np.abs(x)
+    rmin, rdelta, nstep = stretch
     low, high = min(f(x.min()), f(0)), f(x.max())
-    if high == low:
+    if high <= low:
         return 0.0, float(low), 0.0
 
     def err(step, zero, levels):
-        return float(np.sum(w * (f(step) * levels + f(zero) - x) ** 2, dtype=np.float64))
+        return np.sum(w * (f(step) * levels + f(zero) - x) ** 2, dtype=f)
 
     inverse = f(nmax) / (high - low)
     levels = np.clip(np.rint(inverse * (x - low)), 0, nmax).astype(f)
@@ -51,7 +49,14 @@ def ggml_group(x: np.ndarray, bits: int) -> tuple[float, float, float]:
             e = err(step, zero, levels)
             if e < best[2]:
                 best = (step, zero, e)
-    return float(best[0]), float(best[1]), best[2]
+    return float(best[0]), float(best[1]), float(best[2])
+
+
+def ggml_group(x: np.ndarray, bits: int) -> tuple[float, float, float]:
+    """ggml's make_qkx2_quants on one group (weights rms + |x|): (step, value of code 0, error)."""
+    f = np.float32
+    w = f(np.sqrt(f(np.sum(x * x, dtype=f) / f(len(x))))) + np.abs(x)
+    return ggml_qkx(x, w, 2**bits - 1, STRETCHES[bits])
 
 
 def weighted_error(x: np.ndarray, step: float, zero: float, bits: int) -> float:
@@ -152,37 +157,14 @@ def ggml_importance_block(x: np.ndarray, importance: np.ndarray, bits: int) -> t
     """ggml's quantize_row_q4_K_impl / q5_K_impl grids of one super-block x [8, 32] with
     importance [8, 32], line by line in fp32: (steps [8], values of code 0 [8]) as stored."""
     f = np.float32
-    nmax, (rmin, rdelta, nstep) = 2**bits - 1, IMPORTANCE_STRETCH
+    nmax = 2**bits - 1
     sigma2 = f(2) * np.sum(x * x, dtype=f) / f(x.size)
     steps, mins, sums = np.zeros(8, f), np.zeros(8, f), np.zeros(8, f)
     for j in range(8):
         w = importance[j] * np.sqrt(sigma2 + x[j] * x[j])
         sums[j] = w.sum(dtype=f)
-        low, high = min(f(x[j].min()), f(0)), f(x[j].max())
-        if high <= low:
-            steps[j], mins[j] = 0, -low
-            continue
-
-        def err(step, zero, levels):
-            return np.sum(w * (f(step) * levels + f(zero) - x[j]) ** 2, dtype=f)
-
-        inverse = f(nmax) / (high - low)
-        levels = np.clip(np.rint(inverse * (x[j] - low)), 0, nmax).astype(f)
-        best = (f(1) / inverse, low, err(f(1) / inverse, low, levels))
-        for i in range(nstep + 1):
-            inverse = (f(rmin) + f(rdelta) * f(i) + f(nmax)) / (high - low)
-            levels = np.clip(np.rint(inverse * (x[j] - low)), 0, nmax).astype(f)
-            sw, sl, sl2 = w.sum(dtype=f), (w * levels).sum(dtype=f), (w * levels * levels).sum(dtype=f)
-            sx, sxl = (w * x[j]).sum(dtype=f), (w * levels * x[j]).sum(dtype=f)
-            det = sw * sl2 - sl * sl
-            if det > 0:
-                step, zero = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det
-                if zero > 0:
-                    step, zero = sxl / sl2, f(0)
-                e = err(step, zero, levels)
-                if e < best[2]:
-                    best = (step, zero, e)
-        steps[j], mins[j] = best[0], -best[1]
+        step, low, _ = ggml_qkx(x[j], w, nmax, IMPORTANCE_STRETCH)
+        steps[j], mins[j] = step, -low
     (step_unit, step_levels), (min_unit, min_levels) = (ggml_weighted_units(v, sums) for v in (steps, mins))
     step_unit, min_unit = float(np.float16(step_unit)), float(np.float16(min_unit))
     return step_unit * step_levels, -min_unit * min_levels
