@@ -223,7 +223,7 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor | None, symmetri
                          storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group of g [N, G, group] (fp32), the stored (scale, zero) and codes minimising the
     weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0 (None: all 1, and
-    no importance matrix: llama.cpp's K-quant candidates are then those of its search without one).
+    no importance matrix: llama.cpp's candidates are then those of its searches without one).
 
     Candidates: the min/max grid, each range scaled by the factors of ``WEIGHTED_SHRINKS``, and for
     each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a

@@ -47,9 +47,9 @@ def llama_grids(g: torch.Tensor, bits: int, per_block: int | None, symmetric: bo
                 importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The grids (scale, zero) [N, G] ggml stores for g [N, G, B] (whole rows) as a K-quant
     of ``bits`` with ``per_block`` groups a super-block, or (``per_block`` None) as Q4_1/Q5_1;
-    with ``importance`` [G, B], those of its importance-matrix search. None where ggml's search is
-    one int4q's own already contains (Q4_0, Q5_0; Q4_1 and Q5_1 without an importance matrix,
-    which are min/max)."""
+    with ``importance`` [G, B], those of its importance-matrix search. None for the types whose
+    ggml search int4q's own matches or beats tensor by tensor (Q4_0, Q5_0; Q4_1 and Q5_1 without
+    an importance matrix, where ggml's grid is the min/max one)."""
     if per_block is None:
         return None if symmetric or importance is None else llama_min_grids(g, bits, importance)
     if not symmetric and bits in STRETCHES:
