@@ -11,11 +11,15 @@ then scored by llama.cpp on the same tokens; the bf16 GGUF's own score is llama.
 floor against this reference.
 
     python benchmarks/chat_logits.py --model models/smollm2 --gguf <bf16.gguf> --out chat.kld
+
+``--calib-out FILE.jsonl`` writes the calibration half's chats the same way, as text for
+``int4q quantize --calib``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import struct
 from pathlib import Path
 
@@ -38,20 +42,34 @@ def answers(text: str) -> list[str]:
     return parts + ([current] if current else [])
 
 
-def conversations(tokenizer) -> list[list[int]]:
-    """Token ids of one chat per part of each held-out topic, with the template's special tokens
-    as tokens."""
+def topic_chats(held_out: bool) -> list[list[dict]]:
+    """One question-and-answer chat (messages) per part of each topic of one half of CPython's
+    ``pydoc_data.topics``: the held-out half (scored) or the calibration half, as int4q splits them."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)
+    half = names[len(names) // 2:] if held_out else names[:len(names) // 2]
+    return [[{"role": "user", "content": QUESTION.format(name, part)}, {"role": "assistant", "content": answer}]
+            for name in half for part, answer in enumerate(answers(topics[name]), start=1)]
+
+
+def conversations(tokenizer) -> list[list[int]]:
+    """Token ids of each held-out chat, with the template's special tokens as tokens."""
     chats = []
-    for name in names[len(names) // 2:]:
-        for part, answer in enumerate(answers(topics[name]), start=1):
-            messages = [{"role": "user", "content": QUESTION.format(name, part)},
-                        {"role": "assistant", "content": answer}]
-            ids = tokenizer.apply_chat_template(messages, tokenize=True)
-            chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    for messages in topic_chats(held_out=True):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return chats
+
+
+def write_calibration(model_dir: Path, out: Path) -> None:
+    """The calibration half's chats through the model's template, as JSON Lines of ``text`` for
+    ``int4q quantize --calib`` (its tokenizer reads the template's markers as special tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out.write_text("".join(json.dumps({"text": tokenizer.apply_chat_template(m, tokenize=False)}) + "\n"
+                           for m in topic_chats(held_out=False)))
 
 
 def windows(chats: list[list[int]], ctx: int, count: int) -> list[list[int]]:
@@ -122,12 +140,19 @@ def write_base(model_dir: Path, gguf: Path, out: Path, ctx: int, count: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="the bf16 checkpoint folder")
-    ap.add_argument("--gguf", type=Path, required=True, help="its bf16 GGUF (for llama.cpp's BOS rule)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path, help="its bf16 GGUF (for llama.cpp's BOS rule)")
+    ap.add_argument("--out", type=Path, help="the KLD base file to write")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--calib-out", type=Path, metavar="FILE.jsonl",
+                    help="instead, write the calibration half's chats for int4q quantize --calib")
     args = ap.parse_args()
-    write_base(args.model, args.gguf, args.out, args.ctx, args.chunks)
+    if args.calib_out:
+        write_calibration(args.model, args.calib_out)
+    elif args.gguf and args.out:
+        write_base(args.model, args.gguf, args.out, args.ctx, args.chunks)
+    else:
+        ap.error("give --gguf and --out (the KLD base file), or --calib-out")
 
 
 if __name__ == "__main__":
