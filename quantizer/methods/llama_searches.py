@@ -208,8 +208,8 @@ def llama_signed_grids(g: torch.Tensor, bits: int, per_block: int,
     n, groups, size = g.shape
     x = g.to(torch.float32)
     weights = x * x if importance is None else importance.to(torch.float32).expand_as(x)
-    own, zeros = weights.reshape(n * groups, size), torch.zeros(1, n * groups)
     top = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the first of the largest, as ggml
+    own, zeros = weights.reshape(n * groups, size), torch.zeros_like(top).reshape(1, -1)
     empty = top.abs() < EMPTY
     top = torch.where(empty, 1.0, top)
 
