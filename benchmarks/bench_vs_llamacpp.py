@@ -11,8 +11,9 @@ as ik_llama.cpp, gets ``-gp D,M``, which also times only the M steps). Each rep 
         --bench-flags ik="-rtr 1 -fa 1" --pp 512 2048 --depth 0 2048 4096 8192 --tg 64 --bandwidth --json out.json
 
 int4q arms: each ``--int4`` with exact activations, and with ``--int8`` also with int8 activations
-(arm ``<name>+int8``; ``--skip-exact`` keeps only those); ``--bf16`` a bf16 checkpoint through the
-same runtime. llama.cpp arms: each ``--gguf`` through llama-cpp-python (the ``bench`` extra;
+(arm ``<name>+int8``; ``--skip-exact`` keeps only those), and with ``--kv-int8`` those again over an
+int8 KV cache (arm ``<name>+int8+kv8``); ``--bf16`` a bf16 checkpoint through the same runtime.
+llama.cpp arms: each ``--gguf`` through llama-cpp-python (the ``bench`` extra;
 ``--no-python-llama`` skips it) and through every ``--llama-bench LABEL=BINARY`` (arm
 ``<gguf>@<LABEL>``), with that build's ``--bench-flags LABEL="FLAGS"`` (e.g. ik_llama.cpp's best
 CPU settings, ``-rtr 1 -fa 1``; mainline's flash attention defaults to auto). int4q neither ships
@@ -20,7 +21,9 @@ nor builds any of them. ``--make-q4_0`` requantizes the first GGUF to Q4_0.
 
 ``--bandwidth`` measures read bandwidth and reports the fraction each arm's decode reaches: the
 weights a step reads plus the KV cache at the decode's mean position (bf16/f16 keys and values,
-every layer attending to all of it; from the first int4q or bf16 checkpoint's config). With
+every layer attending to all of it; from the first int4q or bf16 checkpoint's config; an int8 cache's
+codes and scales for ``+kv8`` arms, and q8_0 blocks for a llama-bench arm whose flags ask for
+``-ctk q8_0 -ctv q8_0``). With
 ``--ttft`` it also times ``int4q generate`` twice in fresh processes: cold (empty compile caches)
 and warm (reusing what the first run saved).
 """
@@ -77,14 +80,29 @@ def decode_bytes_gguf(path: str) -> int:
     return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
-def kv_bytes_per_position(model_dir: str) -> int:
-    """Bytes of keys and values one position adds to a bf16 cache, over every layer."""
+KV_BYTES = {"bf16": lambda dim: 2 * dim, "int8": lambda dim: dim + 4, "q8_0": lambda dim: dim // 32 * 34}
+"""Bytes of one cached row (one position of one head) of ``dim`` values, by cache type: int4q's int8
+rows carry an fp32 scale; llama.cpp's q8_0 blocks of 32 an fp16 one."""
+
+
+def kv_bytes_per_position(model_dir: str, kind: str = "bf16") -> int:
+    """Bytes of keys and values one position adds to a cache of :data:`KV_BYTES` ``kind``, over every layer."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir).get_text_config()
     heads = config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * dim * 2
+    return 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * KV_BYTES[kind](dim)
+
+
+def cache_kind(arm: dict) -> str:
+    """The KV cache an arm of the report decodes over: int8 for int4q's ``+kv8`` arms, q8_0 for a
+    llama-bench arm whose flags set both caches to q8_0, else bf16 (or f16, as many bytes)."""
+    if arm["kv_cache"] == "int8":
+        return "int8"
+    flags = arm["kind"].split()
+    pairs = dict(zip(flags, flags[1:]))
+    return "q8_0" if pairs.get("-ctk") == pairs.get("-ctv") == "q8_0" else "bf16"
 
 
 def time_to_first_token(model_dir: str, threads: int) -> dict:
@@ -110,6 +128,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--make-q4_0", action="store_true", help="also requantize the first GGUF to Q4_0")
     ap.add_argument("--int8", action="store_true", help="also run each --int4 with int8 activations")
     ap.add_argument("--skip-exact", action="store_true", help="with --int8: run each --int4 with int8 activations only")
+    ap.add_argument("--kv-int8", action="store_true",
+                    help="with --int8: also run each --int4 with int8 activations over an int8 KV cache")
     ap.add_argument("--llama-bench", action="append", default=[],
                     help="LABEL=BINARY: also run every GGUF through this llama.cpp build's llama-bench (repeatable)")
     ap.add_argument("--bench-flags", action="append", default=[],
@@ -129,8 +149,8 @@ def parse_args() -> argparse.Namespace:
     args.pp = [n for n in args.pp if n > 0]
     if any(d < 0 for d in args.depth) or args.tg < 1 or args.reps < 1:
         ap.error("--depth must be >= 0, --tg and --reps >= 1")
-    if args.skip_exact and not args.int8:
-        ap.error("--skip-exact leaves no int4q arm without --int8")
+    if (args.skip_exact or args.kv_int8) and not args.int8:
+        ap.error("--skip-exact and --kv-int8 need --int8")
     return args
 
 
@@ -145,6 +165,9 @@ def make_arms(args: argparse.Namespace) -> tuple[list, dict]:
     arms = [] if args.skip_exact else [TorchArm(Path(p).name, p, longest, EXACT) for p in args.int4]
     if args.int8:
         arms += [TorchArm(Path(p).name + "+int8", p, longest, Activations("int8", "int8")) for p in args.int4]
+    if args.kv_int8:
+        arms += [TorchArm(Path(p).name + "+int8+kv8", p, longest, Activations("int8", "int8"), "int8")
+                 for p in args.int4]
     if args.bf16:
         arms.append(TorchArm("bf16", args.bf16, longest))
     if not args.no_python_llama:
@@ -190,6 +213,7 @@ def summarize(arms: list, results: dict, args: argparse.Namespace) -> dict:
         tg = {d: round(statistics.median(v), 1) for d, v in r["tg"].items()}
         report["arms"][arm.label] = {
             "kind": arm.kind, "peer": not isinstance(arm, TorchArm), "pp": pp, "tg": tg,
+            "kv_cache": getattr(arm, "kv_cache", "bf16"),
             "pp_median": pp[args.pp[0]] if args.pp else None, "tg_median": tg[args.depth[0]],
             "tg_reps": {d: [round(x, 1) for x in v] for d, v in r["tg"].items()},
             "rss_anon_after_load_mb": round(arm.rss_mb, 1), "open_s": round(arm.open_s, 2),
@@ -224,12 +248,12 @@ def add_bandwidth(report: dict, args: argparse.Namespace, ggufs: dict) -> None:
     report["read_bandwidth_gbs"] = round(gbs, 2)
     print(f"measured read bandwidth ({args.threads} threads): {gbs:.1f} GB/s")
     config_dir = args.int4[0] if args.int4 else args.bf16
-    per_position = kv_bytes_per_position(config_dir) if config_dir else 0
-    paths = {Path(p).name: p for p in args.int4} | {Path(p).name + "+int8": p for p in args.int4}
+    paths = {Path(p).name + suffix: p for p in args.int4 for suffix in ("", "+int8", "+int8+kv8")}
     paths |= {"bf16": args.bf16} if args.bf16 else {}
     for label, a in report["arms"].items():
         gguf = ggufs.get(label.split("@")[0])
         weights = decode_bytes_gguf(gguf) if gguf else decode_bytes_int4q(paths[label])
+        per_position = kv_bytes_per_position(config_dir, cache_kind(a)) if config_dir else 0
         a["decode_weight_bytes"], a["bandwidth_fraction"] = weights, {}
         for depth in report["depths"]:
             nbytes = weights + per_position * (depth + report["tg"] // 2)

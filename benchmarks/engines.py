@@ -61,11 +61,13 @@ def spread_tokens(n: int, vocab: int) -> list[int]:
 class TorchArm:
     """``longest``: the most positions any measurement needs (the decoder's cache is opened once)."""
 
-    def __init__(self, label: str, path: str, longest: int, activations: Activations | None = None):
+    def __init__(self, label: str, path: str, longest: int, activations: Activations | None = None,
+                 kv_cache: str = "bf16"):
         self.model, measured = load_measured(lambda p: load_model(p, activations=activations), path, label)
         self.rss_mb = measured.load_rss_anon_mb
         started = time.perf_counter()
-        self.decoder = open_decoder(self.model, longest + 1)
+        self.kv_cache = kv_cache
+        self.decoder = open_decoder(self.model, longest + 1, kv_cache=kv_cache)
         self.label, self.kind, self.open_s = label, f"int4q ({describe_path(self.decoder)})", time.perf_counter() - started
 
     def pp(self, n: int) -> float:

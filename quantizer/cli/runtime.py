@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..runtime.activations import CHOICES
+from ..runtime.activations import CHOICES, KV_CACHES
 
 
 def activation_options(command):
@@ -23,6 +23,13 @@ def activation_options(command):
                                     f"AVX2). Default: "
                                     f"$INT4Q_ACTIVATIONS, else int8.")(command)
     return command
+
+
+def kv_cache_option(command):
+    """``--kv-cache``: what the fast decoder's KV cache holds (:data:`..runtime.activations.KV_CACHES`)."""
+    return click.option("--kv-cache", type=click.Choice(KV_CACHES), default="bf16", show_default=True,
+                        help="The decoder's KV cache: bf16, or int8 codes with their scales (0.54x the bytes a token "
+                             "reads from it at depth; needs int8 decode activations; docs/runtime.md).")(command)
 
 
 def choose_activations(decode: str | None, prefill: str | None) -> None:
@@ -44,8 +51,9 @@ def choose_activations(decode: str | None, prefill: str | None) -> None:
                    "the saved step pays for itself.")
 @click.option("--stats", is_flag=True, help="Print load time, time to first token (from the command's start) and "
                                            "decode speed to stderr.")
+@kv_cache_option
 @activation_options
-def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, decode, prefill):
+def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, kv_cache, decode, prefill):
     """Greedy generation from a cpu_int4 (or bf16) checkpoint, streamed to stdout."""
     import torch
 
@@ -59,12 +67,12 @@ def generate(model_dir, prompt, max_new_tokens, chat, threads, compile, stats, d
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     counts = GenerationStats()
-    pieces = quick_text(model_dir, prompt, max_new_tokens, chat, counts)
+    pieces = quick_text(model_dir, prompt, max_new_tokens, chat, counts) if kv_cache == "bf16" else None
     model = tokenizer = None
     if pieces is None:
         model, tokenizer, compile = _load_for_generate(model_dir, max_new_tokens, threads, compile)
         pieces = generate_text(model, tokenizer, prompt, max_new_tokens, chat=chat, compile=compile, stats=counts,
-                               source=model_dir)
+                               source=model_dir, kv_cache=kv_cache)
     loaded = time.perf_counter()
     for piece in pieces:
         click.echo(piece, nl=False)
@@ -154,9 +162,12 @@ def compile_step(model_dir, threads, max_len, decode, prefill):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write every number here.")
 @click.option("--compare-exact", is_flag=True,
               help="Also measure the checkpoint with exact activations (arm 'exact'), interleaved with the others.")
+@kv_cache_option
+@click.option("--compare-kv", is_flag=True,
+              help="With --kv-cache int8: also decode the same model over a bf16 cache (arm 'bf16kv'), interleaved.")
 @activation_options
 def bench(model_dir, baseline, prompt_tokens, gen_tokens, depth, reps, threads, compile, json_path, compare_exact,
-          decode, prefill):
+          kv_cache, compare_kv, decode, prefill):
     """llama-bench style prefill and decode speed, and resident memory after load."""
     import json
 
@@ -167,11 +178,14 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, depth, reps, threads, 
 
     if json_path and not json_path.parent.is_dir():
         raise click.BadParameter(f"folder {json_path.parent} does not exist", param_hint="--json")
+    if compare_kv and kv_cache == "bf16":
+        raise click.BadParameter("compares an int8 KV cache with the bf16 one: add --kv-cache int8",
+                                 param_hint="--compare-kv")
     if threads:
         torch.set_num_threads(threads)
     choose_activations(decode, prefill)
 
-    arms = 1 + bool(baseline) + compare_exact
+    arms = 1 + bool(baseline) + compare_exact + compare_kv
     steps = StepReporter(unit="run")
     runs = iter(range(1, reps * arms + 1))
 
@@ -181,19 +195,19 @@ def bench(model_dir, baseline, prompt_tokens, gen_tokens, depth, reps, threads, 
 
     try:
         out = bench_models(model_dir, baseline, prompt_tokens, gen_tokens, reps, compile=compile, progress=show,
-                           compare_exact=compare_exact, depth=depth)
+                           compare_exact=compare_exact, depth=depth, kv_cache=kv_cache, compare_kv=compare_kv)
     finally:
         steps.close()
     at_depth = f" at depth {depth}" if depth else ""
     click.echo(f"threads {out['machine']['threads']}, torch {out['machine']['torch']}, pp{prompt_tokens} "
                f"tg{gen_tokens}{at_depth}, "
-               f"{reps} reps (best / median), int4 activations {out['activations']}")
+               f"{reps} reps (best / median), int4 activations {out['activations']}, int4 KV cache {kv_cache}")
     for name, r in out["arms"].items():
         pp = f"pp {r['pp_best']} / {r['pp_median']} tok/s   " if prompt_tokens else ""
         tg = f"tg {r['tg_best']} / {r['tg_median']} tok/s   " if gen_tokens else ""
         click.echo(f"{name:>9}: {pp}{tg}RssAnon after load {r['rss_anon_after_load_mb']} MiB   "
                    f"({r['decode_path']} decode)")
-    for key in ("ratios_int4_over_baseline", "ratios_int4_over_exact"):
+    for key in ("ratios_int4_over_baseline", "ratios_int4_over_exact", "ratios_int4_over_bf16kv"):
         if key in out:
             click.echo(f"{key.split('_')[-1]:>9} ratio: " + ", ".join(f"{k} {v}" for k, v in out[key].items()))
     click.echo(f"peak RSS of the process {out['peak_rss_mb']} MiB")

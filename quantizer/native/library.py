@@ -98,3 +98,21 @@ def load_unless_off(load_native, fallback: str, fix: str):
     except NativeUnavailable as e:
         log.warning("%s (slower): %s. %s, or INT4Q_NATIVE=0 to silence this", fallback, e, fix)
         return None
+
+
+def passes_self_test(self_test, instead: str) -> bool:
+    """Whether the library loads here and ``self_test()`` passes: False silently where the library
+    does not load or is off (the kernels that need it already say why), and after one warning
+    saying what runs ``instead`` where the self-test raises NativeUnavailable."""
+    if native_off():
+        return False
+    try:
+        ops()
+    except NativeUnavailable:
+        return False
+    try:
+        self_test()
+    except NativeUnavailable as e:
+        log.warning("%s: %s", instead, e)
+        return False
+    return True

@@ -19,6 +19,10 @@ from ..errors import UsageError
 ENV = "INT4Q_ACTIVATIONS"
 CHOICES = ("exact", "int8")
 
+KV_CACHES = ("bf16", "int8")
+"""What the fast decoder's cache of keys and values (the attention's activations) holds: bf16 rows,
+or int8 codes with their scales (:mod:`.kernels.kv_int8`; chosen per decoder, not per process)."""
+
 
 @dataclass(frozen=True)
 class Activations:

@@ -12,6 +12,9 @@ import torch
 from ..memory import proc_status_mb, release_free_memory
 from .decode.generation import greedy_token
 
+BF16_KV_ARM = "bf16kv"
+"""The arm that decodes the int4 model over a bf16 KV cache beside an int8 one (``--compare-kv``)."""
+
 
 @dataclass
 class ArmResult:
@@ -91,16 +94,19 @@ def load_measured(load, path, name: str) -> tuple[torch.nn.Module, ArmResult]:
 
 
 def run_bench(arms: dict[str, torch.nn.Module], results: dict[str, ArmResult], prompt_tokens: int,
-              gen_tokens: int, reps: int, progress=None, compile: bool = True, depth: int = 0) -> None:
-    """Open each arm's decoder (the path ``int4q generate`` takes, compiled when ``compile``), warm
-    it up, then run ``reps`` rounds with the arms interleaved within each round; decode after
-    ``depth`` tokens of context."""
+              gen_tokens: int, reps: int, progress=None, compile: bool = True, depth: int = 0,
+              kv_caches: dict[str, str] | None = None) -> None:
+    """Open each arm's decoder (the path ``int4q generate`` takes, compiled when ``compile``, over
+    the KV cache ``kv_caches`` names for it, bf16 where it names none), warm it up, then run
+    ``reps`` rounds with the arms interleaved within each round; decode after ``depth`` tokens of
+    context."""
     from .decode.opening import open_decoder
 
     decoders = {}
     for name, model in arms.items():
         started = time.perf_counter()
-        decoders[name] = open_decoder(model, max(prompt_tokens, depth, 1) + gen_tokens + 1, compile=compile)
+        decoders[name] = open_decoder(model, max(prompt_tokens, depth, 1) + gen_tokens + 1, compile=compile,
+                                      kv_cache=(kv_caches or {}).get(name, "bf16"))
         results[name].open_seconds = time.perf_counter() - started
         results[name].path = describe_path(decoders[name])
         prefill_tokens_per_s(model, min(prompt_tokens, 32) or 1, decoders[name])
@@ -123,11 +129,13 @@ def describe_path(decoder) -> str:
 
 
 def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps: int, compile: bool = True,
-                 progress=None, compare_exact: bool = False, depth: int = 0) -> dict:
+                 progress=None, compare_exact: bool = False, depth: int = 0, kv_cache: str = "bf16",
+                 compare_kv: bool = False) -> dict:
     """Load the int4 model (with the process's activation setting; also with exact activations
     when ``compare_exact``, and the bf16 ``baseline``), measure them interleaved (decode after
     ``depth`` tokens of context), and return the report: machine, lengths, each arm's summary,
-    ratios and the process's peak RSS."""
+    ratios and the process's peak RSS. The int4 arm decodes over a ``kv_cache`` KV cache; with
+    ``compare_kv``, an arm ``bf16kv`` (the same model over a bf16 cache) runs beside it."""
     import functools
     import platform
 
@@ -143,7 +151,10 @@ def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps:
         longest = f"--depth {depth}" if depth > prompt_tokens else f"--prompt-tokens {prompt_tokens}"
         check_positions(arms[name].config, max(prompt_tokens, depth) + gen_tokens,
                         f"{longest} and --gen-tokens {gen_tokens}")
-    run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile, depth=depth)
+    if compare_kv:
+        arms[BF16_KV_ARM], results[BF16_KV_ARM] = arms["int4"], ArmResult(BF16_KV_ARM, results["int4"].load_rss_anon_mb)
+    run_bench(arms, results, prompt_tokens, gen_tokens, reps, progress=progress, compile=compile, depth=depth,
+              kv_caches={"int4": kv_cache})
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
@@ -151,7 +162,8 @@ def bench_models(model_dir, baseline, prompt_tokens: int, gen_tokens: int, reps:
         "arms": {name: r.summary() for name, r in results.items()},
         "peak_rss_mb": round(proc_status_mb("VmHWM"), 1),
     }
-    for other in ("baseline", "exact"):
+    report["kv_cache"] = kv_cache
+    for other in ("baseline", "exact", BF16_KV_ARM):
         if other in report["arms"]:
             report[f"ratios_int4_over_{other}"] = _ratios(report["arms"]["int4"], report["arms"][other])
     return report

@@ -427,3 +427,27 @@ def test_decode_speed_at_depth_times_only_the_steps_after_the_context():
 
     assert decode_tokens_per_s(Recorder(), 3, Decoder(), depth=50) > 0
     assert calls == ["reset", 50, 1, 1, 1]
+
+
+def test_bench_over_an_int8_kv_cache_beside_the_bf16_one(tiny_q, tmp_path):
+    from quantizer.runtime.kernels.kv_int8 import has_int8_cache
+    from quantizer.runtime.kernels.w4a8 import has_w4a8
+
+    if not (has_w4a8() and has_int8_cache()):
+        pytest.skip("no int8 decode kernel or no int4q library here")
+    result = run("bench", tiny_q, "--prompt-tokens", 0, "--gen-tokens", 3, "--depth", 40, "--reps", 1, "--no-compile",
+                 "--decode", "int8", "--kv-cache", "int8", "--compare-kv", "--json", tmp_path / "b.json")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["kv_cache"] == "int8" and set(report["arms"]) == {"int4", "bf16kv"}
+    assert all(arm["tg_median"] > 0 and arm["decode_path"] == "native" for arm in report["arms"].values())
+    assert "bf16kv ratio: tg_median" in result.stdout
+
+
+def test_bench_refuses_kv_options_that_cannot_hold(tiny_q):
+    alone = run("bench", tiny_q, "--compare-kv")
+    assert alone.exit_code == 2 and "Traceback" not in alone.output and "add --kv-cache int8" in alone.stderr
+    assert_one_line_error(run("bench", tiny_q, "--kv-cache", "int8", "--decode", "exact", "--no-compile",
+                              "--prompt-tokens", 8, "--gen-tokens", 2),
+                          "--kv-cache int8: an int8 KV cache needs int8 decode activations", code=2)
+    assert run("bench", tiny_q, "--kv-cache", "int4").exit_code == 2

@@ -108,30 +108,79 @@ bool causal_attention_available() { return int4q_causal_available() != 0; }
 
 }  // namespace
 
-void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
-                       int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
-                       int64_t v_step, float scale, uint16_t *out) {
-    // A task is one part: a cached head's group of query heads over one chunk of positions.
+namespace {
+
+// out bf16 [heads, dim]: the attention of every query head over `length` positions, one task a part (a
+// cached head's group of query heads over one chunk of positions, `part(head, begin, end, scratch, out)`
+// with scratch fp32 [scratch_floats]), the parts merged per query head.
+template <class Part>
+void attend_in_parts(int64_t heads, int64_t kv_heads, int64_t length, int64_t dim, int64_t scratch_floats,
+                     const Part &part, uint16_t *out) {
     const int64_t group = heads / kv_heads, chunks = (length + INT4Q_ATTEND_CHUNK - 1) / INT4Q_ATTEND_CHUNK;
-    const int64_t part_step = dim + 2, task_step = group * part_step;
+    const int64_t part_step = dim + INT4Q_PART_ACC, task_step = group * part_step;
     thread_local std::vector<float> reused;  // the caller's: a worker thread's own would be another vector
     reused.resize(kv_heads * chunks * task_step);
     float *parts = reused.data();
     const int64_t part_products = 2 * std::min<int64_t>(length, INT4Q_ATTEND_CHUNK) * dim * group;
     const int64_t grain = std::max<int64_t>(1, kTaskProducts / part_products);
     at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t first, int64_t last) {
-        std::vector<float> scratch(group * (dim + INT4Q_ATTEND_CHUNK) + dim);
+        std::vector<float> scratch(scratch_floats);
         for (int64_t task = first; task < last; task++) {
             const int64_t head = task / chunks, begin = task % chunks * INT4Q_ATTEND_CHUNK;
-            int4q_attend_part(q + head * group * dim, group, k + head * k_head_step, v + head * v_head_step, begin,
-                              std::min(length, begin + INT4Q_ATTEND_CHUNK), dim, k_step, v_step, scale, scratch.data(),
-                              parts + task * task_step);
+            part(head, begin, std::min(length, begin + INT4Q_ATTEND_CHUNK), scratch.data(), parts + task * task_step);
         }
     });
     std::vector<float> acc(dim);
     for (int64_t h = 0; h < heads; h++)
         int4q_attend_merge(parts + h / group * chunks * task_step + h % group * part_step, chunks, task_step,
                            dim, acc.data(), out + h * dim);
+}
+
+}  // namespace
+
+void int4q::attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t heads, int64_t kv_heads,
+                       int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step,
+                       int64_t v_step, float scale, uint16_t *out) {
+    const int64_t group = heads / kv_heads;
+    attend_in_parts(heads, kv_heads, length, dim, group * (dim + INT4Q_ATTEND_CHUNK) + dim,
+                    [&](int64_t head, int64_t begin, int64_t end, float *scratch, float *part) {
+                        int4q_attend_part(q + head * group * dim, group, k + head * k_head_step, v + head * v_head_step,
+                                          begin, end, dim, k_step, v_step, scale, scratch, part);
+                    },
+                    out);
+}
+
+void int4q::attend_one_int8(const uint16_t *q, const Int8Cache &cache, int64_t heads, int64_t kv_heads,
+                            int64_t length, int64_t dim, float scale, uint16_t *out) {
+    const int64_t group = heads / kv_heads;
+    thread_local std::vector<int8_t> codes;
+    thread_local std::vector<float> scales;
+    thread_local std::vector<int32_t> sums;
+    const int64_t key_blocks = dim / INT4Q_KV_KEY_DIMS;
+    codes.resize(heads * dim), scales.resize(heads), sums.resize(heads * key_blocks);
+    const int8_t *q8 = codes.data();  // the caller's vectors: a worker thread would name its own
+    const float *q_scales = scales.data();
+    const int32_t *q_sums = sums.data();
+    int4q_attend_quantize_query(q, heads, dim, codes.data(), scales.data(), sums.data());
+    attend_in_parts(heads, kv_heads, length, dim, 2 * group * INT4Q_ATTEND_CHUNK,
+                    [&](int64_t head, int64_t begin, int64_t end, float *scratch, float *part) {
+                        int4q_attend_part_int8(q8 + head * group * dim, q_scales + head * group,
+                                               q_sums + head * group * key_blocks, group,
+                                               cache.keys + head * cache.head_step,
+                                               cache.key_scales + head * cache.key_scale_head_step,
+                                               cache.values + head * cache.head_step,
+                                               cache.value_scales + head * cache.value_scale_head_step, begin, end,
+                                               dim, scale, scratch, part);
+                    },
+                    out);
+}
+
+void int4q::store_kv_int8(const uint16_t *k, const uint16_t *v, const Int8Cache &cache, int64_t kv_heads,
+                          int64_t dim, int64_t position) {
+    for (int64_t head = 0; head < kv_heads; head++)
+        int4q_kv_int8_store(k + head * dim, v + head * dim, dim, position, cache.keys + head * cache.head_step,
+                            cache.key_scales + head * cache.key_scale_head_step, cache.values + head * cache.head_step,
+                            cache.value_scales + head * cache.value_scale_head_step);
 }
 
 TORCH_LIBRARY_FRAGMENT(int4q_native, m) {

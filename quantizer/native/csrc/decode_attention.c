@@ -19,11 +19,9 @@
 
 #include "int4q.h"
 
-/* A part's result for one query head: [0] its largest score, [1] the sum of its weights, [2..] the
- * weighted sum of values. */
-#define TOP 0
-#define TOTAL 1
-#define ACC 2
+#define TOP INT4Q_PART_TOP
+#define TOTAL INT4Q_PART_TOTAL
+#define ACC INT4Q_PART_ACC
 
 /* A part in plain C: qf fp32 [group][dim], scores scratch [group][INT4Q_ATTEND_CHUNK]. */
 static void part_portable(const float *qf, int64_t group, const uint16_t *k, const uint16_t *v, int64_t count,

@@ -102,7 +102,20 @@ struct Linear {
 struct Layer {
     Norm input, q_norm, k_norm, post;
     Linear qkv, o, gate_up, down;
-    at::Tensor keys, values;  // bf16 [sequences, kv_heads, positions, head_dim], head_dim contiguous
+    // bf16 [sequences, kv_heads, positions, head_dim], head_dim contiguous; or an int8 cache (kv_int8_ops.cpp):
+    // keys uint8 and values int8 [sequences, kv_heads, positions, head_dim], key scales fp32 [sequences,
+    // kv_heads, positions, head_dim / 32] and value scales fp32 [sequences, kv_heads, positions], all contiguous
+    at::Tensor keys, values, key_scales, value_scales;
+
+    bool int8_cache() const { return given(key_scales); }
+
+    int4q::Int8Cache int8_cache_of(int64_t sequence) const {
+        return {keys.data_ptr<uint8_t>() + sequence * keys.stride(0),
+                key_scales.data_ptr<float>() + sequence * key_scales.stride(0),
+                values.data_ptr<int8_t>() + sequence * values.stride(0),
+                value_scales.data_ptr<float>() + sequence * value_scales.stride(0), keys.stride(1),
+                key_scales.stride(1), value_scales.stride(1)};
+    }
 };
 
 // Where a row's token goes: its sequence's cache at its position.

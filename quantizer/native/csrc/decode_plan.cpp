@@ -2,7 +2,8 @@
 // in one call each, for one token or a few (decode/native_step.py builds it from the model). Per layer: RMSNorm,
 // the fused q/k/v linear (+ bias), the optional q/k RMSNorms per head, the rotary embedding, the KV
 // cache write, attend_one, the output linear and residual, RMSNorm, the fused gate/up linear, SiLU(gate)
-// times up, the down linear and residual; then the final RMSNorm. Each bf16 intermediate is rounded
+// times up, the down linear and residual; then the final RMSNorm. The KV cache is bf16, or int8
+// (kv_int8_ops.cpp's, attended by attend_one_int8). Each bf16 intermediate is rounded
 // where the eager step (decode/decoder.py with int8 decode) rounds it; the linears are w4a8_mm (the kernel
 // layout) or w4a8_rows (row-major) and the attention attend_one themselves. T tokens in one call give the
 // last one's output of T calls of one token, bit for bit: each row's arithmetic is the same (the int8
@@ -51,11 +52,12 @@ class DecodePlan : public torch::CustomClassHolder {
     }
 
     // tensors: input norm, q norm, k norm, post-attention norm weights; (pack, sz, zero, bias) of qkv, o,
-    // gate_up and down (see Linear); keys, values. An absent norm, zero or bias is an empty tensor. eps: the
-    // four norms'; groups: the four linears' group sizes.
+    // gate_up and down (see Linear); keys, values, or for an int8 cache keys, key scales, values, value scales
+    // (see Layer). An absent norm, zero or bias is an empty tensor. eps: the four norms'; groups: the four
+    // linears' group sizes.
     void add_layer(std::vector<at::Tensor> tensors, std::vector<double> eps, std::vector<int64_t> groups) {
-        TORCH_CHECK(tensors.size() == 22 && eps.size() == 4 && groups.size() == 4,
-                    "DecodePlan.add_layer: 22 tensors, 4 epsilons and 4 group sizes");
+        TORCH_CHECK((tensors.size() == 22 || tensors.size() == 24) && eps.size() == 4 && groups.size() == 4,
+                    "DecodePlan.add_layer: 22 tensors (24 with an int8 cache), 4 epsilons and 4 group sizes");
         Layer l;
         l.input = {tensors[0], static_cast<float>(eps[0])}, l.q_norm = {tensors[1], static_cast<float>(eps[1])};
         l.k_norm = {tensors[2], static_cast<float>(eps[2])}, l.post = {tensors[3], static_cast<float>(eps[3])};
@@ -63,7 +65,12 @@ class DecodePlan : public torch::CustomClassHolder {
         for (int i = 0; i < 4; i++)
             *linears[i] = {tensors[4 + 4 * i], tensors[5 + 4 * i], tensors[6 + 4 * i], tensors[7 + 4 * i], 0, 0,
                            groups[i]};
-        l.keys = tensors[20], l.values = tensors[21];
+        if (tensors.size() == 24)
+            l.keys = tensors[20], l.key_scales = tensors[21], l.values = tensors[22], l.value_scales = tensors[23];
+        else
+            l.keys = tensors[20], l.values = tensors[21];
+        TORCH_CHECK(layers_.empty() || l.int8_cache() == layers_[0].int8_cache(),
+                    "DecodePlan.add_layer: every layer's cache is bf16, or every layer's int8");
         check(l);
         layers_.push_back(std::move(l));
     }
@@ -154,14 +161,33 @@ class DecodePlan : public torch::CustomClassHolder {
             linears[i]->n = shapes[i][0], linears[i]->k = shapes[i][1];
         }
         if (layers_.empty() && l.keys.dim() == 4) sequences_ = l.keys.size(0);
-        for (const at::Tensor *t : {&l.keys, &l.values})
-            TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == sequences_ &&
-                            sequences_ > 0 && t->size(1) == kv_heads_ && t->size(2) == positions_ &&
-                            t->size(3) == dim_ && t->stride(3) == 1,
-                        "DecodePlan: keys and values must be bf16 [", sequences_, ", ", kv_heads_, ", ", positions_,
-                        ", ", dim_, "] (as many sequences in every layer) with the last dimension contiguous, got ",
-                        t->sizes());
+        if (l.int8_cache()) check_int8_cache(l);
+        else
+            for (const at::Tensor *t : {&l.keys, &l.values})
+                TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == sequences_ &&
+                                sequences_ > 0 && t->size(1) == kv_heads_ && t->size(2) == positions_ &&
+                                t->size(3) == dim_ && t->stride(3) == 1,
+                            "DecodePlan: keys and values must be bf16 [", sequences_, ", ", kv_heads_, ", ",
+                            positions_, ", ", dim_,
+                            "] (as many sequences in every layer) with the last dimension contiguous, got ",
+                            t->sizes());
         qkv_width_ = q + 2 * kv, intermediate_ = std::max(intermediate_, intermediate);
+    }
+
+    void check_int8_cache(const Layer &l) const {
+        const at::Tensor &k = l.keys, &v = l.values, &ks = l.key_scales, &vs = l.value_scales;
+        TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kChar && ks.scalar_type() == at::kFloat &&
+                        vs.scalar_type() == at::kFloat && k.dim() == 4 && v.sizes() == k.sizes() &&
+                        k.size(0) == sequences_ && k.size(1) == kv_heads_ && k.size(2) >= positions_ &&
+                        k.size(2) % 16 == 0 && k.size(3) == dim_ && dim_ % INT4Q_KV_KEY_DIMS == 0 &&
+                        ks.sizes() == at::IntArrayRef({sequences_, kv_heads_, k.size(2), dim_ / INT4Q_KV_KEY_DIMS}) &&
+                        vs.sizes() == k.sizes().slice(0, 3) && k.is_contiguous() && v.is_contiguous() &&
+                        ks.is_contiguous() && vs.is_contiguous(),
+                    "DecodePlan: an int8 cache must be contiguous keys uint8 and values int8 [", sequences_, ", ",
+                    kv_heads_, ", positions >= ", positions_, " (a multiple of 16), ", dim_,
+                    " (a multiple of 32)] with key scales fp32 [", sequences_, ", ", kv_heads_, ", positions, ",
+                    dim_ / INT4Q_KV_KEY_DIMS, "] and value scales fp32 [", sequences_, ", ", kv_heads_,
+                    ", positions]; got ", k.sizes(), ", ", v.sizes(), ", ", ks.sizes(), ", ", vs.sizes());
     }
 
     // The residual stream's rows, row r at slots[r], through layer l.
@@ -215,6 +241,10 @@ class DecodePlan : public torch::CustomClassHolder {
             if (given(norm.weight)) norm.apply(x, dim_, x);
             rotate(x, cos, sin, rotary_);
         }
+        if (l.int8_cache()) {
+            int4q::store_kv_int8(k, v, l.int8_cache_of(slot.sequence), kv_heads_, dim_, position);
+            return;
+        }
         Bf16 *keys = reinterpret_cast<Bf16 *>(l.keys.data_ptr()) + slot.sequence * l.keys.stride(0);
         Bf16 *values = reinterpret_cast<Bf16 *>(l.values.data_ptr()) + slot.sequence * l.values.stride(0);
         for (int64_t head = 0; head < kv_heads_; head++) {
@@ -226,6 +256,11 @@ class DecodePlan : public torch::CustomClassHolder {
 
     // Row r of attended_: the attention of row r's q over its sequence's positions 0..its position.
     void attend(const Layer &l, int64_t r, Slot slot) {
+        if (l.int8_cache()) {
+            int4q::attend_one_int8(qkv_.data() + r * qkv_width_, l.int8_cache_of(slot.sequence), heads_, kv_heads_,
+                                   slot.position + 1, dim_, scale_, attended_.data() + r * heads_ * dim_);
+            return;
+        }
         const Bf16 *keys = bf16_of(l.keys) + slot.sequence * l.keys.stride(0);
         const Bf16 *values = bf16_of(l.values) + slot.sequence * l.values.stride(0);
         int4q::attend_one(qkv_.data() + r * qkv_width_, keys, values, heads_, kv_heads_, slot.position + 1, dim_,

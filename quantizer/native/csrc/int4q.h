@@ -1,8 +1,8 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
  * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, rtn_minmax.c, decode_attention.c,
- * causal_attention.c) to
+ * causal_attention.c, decode_attention_int8.c) to
  * their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp,
- * attention_ops.cpp), and the vector paths they choose between at run time. The sources may be
+ * attention_ops.cpp, kv_int8_ops.cpp), and the vector paths they choose between at run time. The sources may be
  * compiled as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
@@ -106,6 +106,11 @@ void int4q_w4a8_rows(const int8_t *even, const int8_t *odd, const float *xscale,
 
 int int4q_attend_vector(int64_t dim);
 #define INT4Q_ATTEND_CHUNK 256 /* positions of a part of int4q_attend_part, at most */
+/* A part's result for one query head, fp32 [dim + 2]: its largest score, the sum of its weights, then the
+ * weighted sum of values. */
+#define INT4Q_PART_TOP 0
+#define INT4Q_PART_TOTAL 1
+#define INT4Q_PART_ACC 2
 /* The attention of the group query heads sharing one cached head (q bf16 [group][dim]) over
  * positions [begin, end), end - begin <= INT4Q_ATTEND_CHUNK; k and v bf16 at k_step and v_step
  * elements per position. part fp32 [group][dim + 2]: per head its largest score, the sum of its
@@ -113,6 +118,25 @@ int int4q_attend_vector(int64_t dim);
 void int4q_attend_part(const uint16_t *q, int64_t group, const uint16_t *k, const uint16_t *v, int64_t begin,
                        int64_t end, int64_t dim, int64_t k_step, int64_t v_step, float scale, float *scratch,
                        float *part);
+/* The int8 KV cache (decode_attention_int8.c's layouts, per cached head: keys uint8 and values int8 of
+ * `positions` x dim bytes, positions a multiple of 16 and dim of INT4Q_KV_KEY_DIMS; fp32 key scales
+ * [positions][dim / INT4Q_KV_KEY_DIMS] and value scales [positions]). Stores one position's key and value
+ * rows (bf16 [dim]) at `position`. */
+#define INT4Q_KV_KEY_DIMS 32 /* dimensions of a key block with a scale of its own */
+void int4q_kv_int8_store(const uint16_t *k, const uint16_t *v, int64_t dim, int64_t position, uint8_t *keys,
+                         float *key_scales, int8_t *values, float *value_scales);
+/* Query heads q bf16 [heads][dim] as int8 codes [heads][dim], their scales [heads] and their codes' sums
+ * per key block [heads][dim / INT4Q_KV_KEY_DIMS]. */
+void int4q_attend_quantize_query(const uint16_t *q, int64_t heads, int64_t dim, int8_t *codes, float *scales,
+                                 int32_t *sums);
+/* 1 when int4q_attend_part_int8 takes its vector path for this head dimension. */
+int int4q_attend_int8_vector(int64_t dim);
+/* int4q_attend_part over one cached head of the int8 cache (keys, values and their scales at the head's
+ * start), the group's query heads as int4q_attend_quantize_query gives them; begin a multiple of
+ * INT4Q_ATTEND_CHUNK. scratch fp32 [2 * group * INT4Q_ATTEND_CHUNK]. */
+void int4q_attend_part_int8(const int8_t *q, const float *q_scales, const int32_t *q_sums, int64_t group,
+                            const uint8_t *keys, const float *ks, const int8_t *values, const float *vs, int64_t begin,
+                            int64_t end, int64_t dim, float scale, float *scratch, float *part);
 /* One query head's count parts (part_step floats apart) merged and rounded to out bf16 [dim];
  * acc: scratch fp32 [dim]. */
 void int4q_attend_merge(const float *parts, int64_t count, int64_t part_step, int64_t dim, float *acc,

@@ -26,6 +26,25 @@ void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t
                 int64_t length, int64_t dim, int64_t k_head_step, int64_t k_step, int64_t v_head_step, int64_t v_step,
                 float scale, uint16_t *out);
 
+// One layer's int8 KV cache for one sequence (decode_attention_int8.c's layouts): each cached head's keys and
+// values `head_step` bytes apart, their scales `key_scale_head_step` and `value_scale_head_step` floats apart.
+struct Int8Cache {
+    uint8_t *keys;
+    float *key_scales;
+    int8_t *values;
+    float *value_scales;
+    int64_t head_step, key_scale_head_step, value_scale_head_step;
+};
+
+// attend_one_int8 (attention_ops.cpp): q bf16 [heads, dim] over positions [0, length) of an int8 cache
+// -> out bf16 [heads, dim].
+void attend_one_int8(const uint16_t *q, const Int8Cache &cache, int64_t heads, int64_t kv_heads, int64_t length,
+                     int64_t dim, float scale, uint16_t *out);
+
+// k and v bf16 [kv_heads, dim] into an int8 cache at `position`.
+void store_kv_int8(const uint16_t *k, const uint16_t *v, const Int8Cache &cache, int64_t kv_heads, int64_t dim,
+                   int64_t position);
+
 }  // namespace int4q
 
 #endif

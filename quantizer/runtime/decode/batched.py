@@ -37,7 +37,7 @@ class BatchedDecoder:
             raise InputError("batched decoding needs int4q's native decode step, which this model or CPU does "
                              "not have (see the log); decode the sequences one at a time")
         self.decoder, self.rows = decoder, single.rows
-        self.plan = make_plan(single.spec, decoder.cos, decoder.sin, *self._caches)
+        self.plan = make_plan(single.spec, decoder.cos, decoder.sin, [list(kv) for kv in zip(*self._caches)])
         self.embed, self.head = decoder.embed, decoder.head
         self.sequences, self.max_len = sequences, max_len
         self.positions = torch.zeros(sequences, dtype=torch.long)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import UsageError
 from ...integrity import matches_digest, record_digest
 from ...native.cache import UntrustedCache, machine_identity, trusted_cache_dir
 from ...native.constant import prepare_compile
@@ -31,7 +32,7 @@ from ..kernels.attention import has_attend_one
 from ..kernels.gemv import has_gemv, has_mean_square
 from ..nn.int4 import Int4Linear
 from ..sources import runtime_source_digest
-from .decoder import MIN_CACHE, FastDecoder, check_against_eager, unsupported_reason
+from .decoder import MIN_CACHE, FastDecoder, check_against_eager, int8_cache_unsupported, unsupported_reason
 from .static import StaticDecoder
 
 log = logging.getLogger(__name__)
@@ -95,13 +96,19 @@ def warn_once(message: str) -> None:
         log.warning(message)
 
 
-def new_decoder(model: torch.nn.Module, max_len: int) -> FastDecoder | StaticDecoder | None:
+def new_decoder(model: torch.nn.Module, max_len: int, kv_cache: str = "bf16") -> FastDecoder | StaticDecoder | None:
     """The decoder for ``model`` over ``max_len`` tokens: int4q's own where it covers the model,
     else the model's forward over a static cache; None (with one warning) where transformers
-    cannot give the model a static cache, which then decodes through ``generate``."""
+    cannot give the model a static cache, which then decodes through ``generate``. ``kv_cache``
+    other than bf16 (see :data:`..activations.KV_CACHES`) needs int4q's own decoder: UsageError where
+    it cannot hold it."""
     reason = unsupported_reason(model, max_len)
+    if kv_cache != "bf16":
+        reason = reason or int8_cache_unsupported(model, kv_cache)
+        if reason:
+            raise UsageError(f"--kv-cache {kv_cache}: {reason}; use --kv-cache bf16")
     if reason is None:
-        return FastDecoder(model, max(max_len, MIN_CACHE))
+        return FastDecoder(model, max(max_len, MIN_CACHE), kv_cache=kv_cache)
     if getattr(model, "_can_compile_fullgraph", False):
         log.info("decoding through the model's own forward over a static cache: %s", reason)
         return StaticDecoder(model, max_len)

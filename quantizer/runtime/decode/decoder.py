@@ -22,9 +22,11 @@ import torch.nn.functional as F
 
 from ...errors import InputError
 from ...native.causal_attention import causal_attention, has_causal_attention
+from ..activations import KV_CACHES
 from ..kernels.attention import has_attend_one
 from ..kernels.dequant import shared_weight_buffer
 from ..kernels.gemv import has_mean_square
+from ..kernels.kv_int8 import KEY_DIMS, Int8Cache, has_int8_cache, store_and_attend
 from ..nn.fusion import Int4Slice
 
 MIN_CACHE = 4
@@ -316,6 +318,25 @@ def decode_step(layers, embed, norm, head, token, position, keys, values, cos_ta
     return head(rms_norm(norm, h))[:, 0]
 
 
+def int8_cache_unsupported(model: torch.nn.Module, kv_cache: str, sequences: int = 1) -> str | None:
+    """None where a :class:`FastDecoder` of ``model`` can hold ``kv_cache`` (one of :data:`KV_CACHES`),
+    else why not: an int8 cache needs int8 decode activations, int4q's library, a head dimension
+    that is a multiple of 32 and one sequence."""
+    if kv_cache not in KV_CACHES:
+        return f"the KV cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}"
+    if kv_cache == "bf16":
+        return None
+    if single_query_attention(model) is not attend_in_fp32:
+        return "an int8 KV cache needs int8 decode activations (--decode int8) and a cpu_int4 checkpoint"
+    if model.get_decoder().layers[0].self_attn.head_dim % KEY_DIMS:
+        return f"an int8 KV cache needs a head dimension that is a multiple of {KEY_DIMS}"
+    if sequences != 1:
+        return "an int8 KV cache holds one sequence"
+    if not has_int8_cache():
+        return "an int8 KV cache needs int4q's native library, which is not loaded here (see the log)"
+    return None
+
+
 class FastDecoder(SteppedDecoder):
     """One sequence's forward passes with a KV cache of ``max_len`` positions: the decoder for
     the model types of :func:`unsupported_reason` (see :class:`.static.StaticDecoder` for the rest).
@@ -330,8 +351,8 @@ class FastDecoder(SteppedDecoder):
     step_function = staticmethod(decode_step)
     compile_options: dict = {}
 
-    def __init__(self, model: torch.nn.Module, max_len: int, sequences: int = 1):
-        reason = unsupported_reason(model, max_len)
+    def __init__(self, model: torch.nn.Module, max_len: int, sequences: int = 1, kv_cache: str = "bf16"):
+        reason = unsupported_reason(model, max_len) or int8_cache_unsupported(model, kv_cache, sequences)
         if reason:
             raise InputError(f"the fast decoder cannot run this model: {reason}")
         base = model.get_decoder()
@@ -341,8 +362,11 @@ class FastDecoder(SteppedDecoder):
         attn = self.layers[0].self_attn
         self.scale = attn.scaling
         kv_shape = (sequences, config.num_key_value_heads, max_len, attn.head_dim)
-        self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
-        self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers]
+        self.kv_cache = kv_cache
+        int8 = kv_cache == "int8"
+        self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers] if not int8 else []
+        self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers] if not int8 else []
+        self.int8_caches = [Int8Cache.empty(*kv_shape[1:]) for _ in self.layers] if int8 else []
         with torch.inference_mode():
             self.cos, self.sin = base.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
         for t in (self.cos, self.sin):  # one compiled graph serves every cache length
@@ -369,6 +393,13 @@ class FastDecoder(SteppedDecoder):
         return (self.layers, self.embed, self.norm, self.head, token, torch.tensor([start]), keys, values,
                 self.cos, self.sin, self.scale, self.attention)
 
+    def cache_tensors(self) -> list[list[torch.Tensor]]:
+        """Each layer's cache as the native plan takes it: keys and values, or an int8 cache's four
+        tensors."""
+        if self.int8_caches:
+            return [c.tensors() for c in self.int8_caches]
+        return [[k, v] for k, v in zip(self.keys, self.values)]
+
     def probe(self) -> "FastDecoder":
         """A decoder of its own for checking a step (every cache length shares the graph)."""
         return FastDecoder(self.model, MIN_CACHE)
@@ -389,6 +420,11 @@ class FastDecoder(SteppedDecoder):
         cos, sin = self.cos[:, start : start + t], self.sin[:, start : start + t]
         end = start + t
         with shared_weight_buffer():
+            if self.int8_caches:
+                for layer, cache in zip(self.layers, self.int8_caches):
+                    q, k, v = attention_inputs(layer, h, cos, sin)
+                    h = attention_output_and_mlp(layer, h, store_and_attend(cache, q, k, v, start, self.scale,
+                                                                            self.attention, attend))
             for layer, keys, values in zip(self.layers, self.keys, self.values):
                 q, k, v = attention_inputs(layer, h, cos, sin)
                 keys[:, :, start:end] = k

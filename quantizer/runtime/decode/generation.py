@@ -140,9 +140,10 @@ def check_positions(config, tokens: int, what: str) -> None:
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool = False,
                   compile: bool = True, stats: GenerationStats | None = None,
-                  source: Path | None = None) -> Iterator[str]:
+                  source: Path | None = None, kv_cache: str = "bf16") -> Iterator[str]:
     """Yield decoded text pieces as they are generated (fast decoder where the model allows).
-    ``source``: the model's checkpoint folder, so the compiled step can be made in the background."""
+    ``source``: the model's checkpoint folder, so the compiled step can be made in the background;
+    ``kv_cache``: what the fast decoder's KV cache holds (see :func:`.opening.open_decoder`)."""
     from .opening import open_decoder
 
     ids = encode_prompt(tokenizer, prompt, chat)
@@ -150,7 +151,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, chat: bool
                     f"the prompt's {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens}")
     stats = stats or GenerationStats()
     stats.prompt_tokens = ids.shape[1]
-    decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile, source=source)
+    decoder = open_decoder(model, ids.shape[1] + max_new_tokens, compile=compile, source=source, kv_cache=kv_cache)
     eos = eos_token_ids(model, tokenizer)
     if decoder is None:
         yield from _generate_text_transformers(model, tokenizer, ids, max_new_tokens, eos, stats)

@@ -3,8 +3,8 @@
 embedded token to the final norm, where every layer is what that plan computes: Llama's RMSNorms,
 fused q/k/v and gate/up linears that multiply int8 activations through ``w4a8_mm`` (the kernel
 layout, AVX-512 VNNI) or ``w4a8_rows`` (row-major copies, AVX2), as eager does, a SiLU MLP, and the
-fp32 single-query attention of ``attend_one``. The embedding and the head stay the
-model's own modules (any kind of table or head).
+fp32 single-query attention of ``attend_one`` (``attend_one_int8`` over an int8 KV cache). The
+embedding and the head stay the model's own modules (any kind of table or head).
 
 Nothing is traced or compiled, so such a model decodes at full speed from its first token. The plan
 rounds where the eager int8 step rounds and is checked against it before use, like a compiled step;
@@ -148,13 +148,14 @@ def plan_spec(decoder: FastDecoder) -> PlanSpec:
                     weight, eps, [layer_arguments(layer) for layer in decoder.layers], rows)
 
 
-def make_plan(spec: PlanSpec, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list):
+def make_plan(spec: PlanSpec, cos: torch.Tensor, sin: torch.Tensor, caches: list[list[torch.Tensor]]):
     """``torch.classes.int4q_native.DecodePlan`` of ``spec`` over rotary tables cos and sin bf16
-    [1, positions, rotary] and each layer's caches bf16 [1, kv_heads, positions, head_dim]."""
+    [1, positions, rotary] and each layer's cache: keys and values bf16 [sequences, kv_heads,
+    positions, head_dim], or an int8 cache's tensors (:meth:`..kernels.kv_int8.Int8Cache.tensors`)."""
     plan = torch.classes.int4q_native.DecodePlan(spec.heads, spec.kv_heads, spec.head_dim, spec.norm.numel(),
                                                  spec.scale, cos.contiguous(), sin.contiguous(), spec.norm, spec.eps)
-    for (tensors, eps, groups), k, v in zip(spec.layers, keys, values):
-        plan.add_layer([*tensors, k, v], eps, groups)
+    for (tensors, eps, groups), cache in zip(spec.layers, caches):
+        plan.add_layer([*tensors, *cache], eps, groups)
     return plan
 
 
@@ -179,7 +180,7 @@ class NativeStep:
     def of(cls, decoder: FastDecoder) -> "NativeStep":
         """The step of ``decoder``'s own modules over its caches; NotCovered where there is none."""
         spec = plan_spec(decoder)
-        return cls(spec, make_plan(spec, decoder.cos, decoder.sin, decoder.keys, decoder.values), decoder.embed,
+        return cls(spec, make_plan(spec, decoder.cos, decoder.sin, decoder.cache_tensors()), decoder.embed,
                    decoder.head)
 
     def __call__(self, ids: torch.Tensor, position: int) -> torch.Tensor:

@@ -17,17 +17,22 @@ from .static import StaticDecoder
 
 
 def open_decoder(model: torch.nn.Module, max_len: int, compile: bool = True,
-                 source: Path | None = None) -> FastDecoder | StaticDecoder | None:
+                 source: Path | None = None, kv_cache: str = "bf16") -> FastDecoder | StaticDecoder | None:
     """A ready decoder (see :func:`.compiled.new_decoder`) for sequences of up to ``max_len``
-    tokens, or None. Its single-token steps are native where :mod:`.native_step` covers the model
-    (nothing to compile); else, with ``compile``, the compiled step: with the checkpoint folder
-    ``source``, taken between tokens once read or compiled in the background, so decoding starts
-    at once; without, read or compiled now."""
-    decoder = steps.new_decoder(model, max_len)
+    tokens over a ``kv_cache`` KV cache, or None. Its single-token steps are native where
+    :mod:`.native_step` covers the model (nothing to compile); else, with ``compile`` and a bf16
+    cache, the compiled step: with the checkpoint folder ``source``, taken between tokens once read
+    or compiled in the background, so decoding starts at once; without, read or compiled now; else
+    eager."""
+    decoder = steps.new_decoder(model, max_len, kv_cache)
     if decoder is None:
         return None
     decoder.native = native_step(decoder)
     if decoder.native is not None or not compile:
+        return decoder
+    if kv_cache != "bf16":
+        steps.warn_once(f"decoding eagerly over the {kv_cache} KV cache (slower): this model or CPU has no native "
+                        "decode step (see the log)")
         return decoder
     try:
         artifact = steps.artifact_path(model, decoder.variant)

@@ -139,7 +139,7 @@ class SnapshotDecoder:
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in spec.layers]
         cos, sin = (snapshot.tensors[n][:, :max_len] for n in ("cos", "sin"))
         embed, head = (rebuilt_module(snapshot.meta[n], snapshot.tensors) for n in ("embed", "head"))
-        self.step = NativeStep(spec, make_plan(spec, cos, sin, self.keys, self.values), embed, head)
+        self.step = NativeStep(spec, make_plan(spec, cos, sin, [[k, v] for k, v in zip(self.keys, self.values)]), embed, head)
         self.max_len, self.position = max_len, 0
 
     def reset(self) -> None:

@@ -10,19 +10,15 @@ silently (the kernels that need the library already say why).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ...native.build import NativeUnavailable
 from ...native.constant import constant_result
-from ...native.library import native_off, ops
+from ...native.library import passes_self_test
 
 SELF_TEST_SHAPES = ((9, 3, 64, 130), (4, 4, 12, 5), (8, 2, 128, 33))
 """(heads, kv_heads, head dim, positions) of the load-time check: grouped heads, a head dimension
 the vector path does not take, and a cache whose length is not a multiple of 8."""
-
-log = logging.getLogger(__name__)
 
 _choice: list[bool] = []  # has_attend_one's answer, once decided
 
@@ -65,15 +61,4 @@ def has_attend_one() -> bool:
 
 
 def _load() -> bool:
-    if native_off():
-        return False
-    try:
-        ops()
-    except NativeUnavailable:
-        return False
-    try:
-        self_test()
-    except NativeUnavailable as e:
-        log.warning("int8 decode attends through PyTorch's fp32 attention instead (slower): %s", e)
-        return False
-    return True
+    return passes_self_test(self_test, "int8 decode attends through PyTorch's fp32 attention instead (slower)")
