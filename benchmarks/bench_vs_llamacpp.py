@@ -80,9 +80,11 @@ def decode_bytes_gguf(path: str) -> int:
     return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
-KV_BYTES = {"bf16": lambda dim: 2 * dim, "int8": lambda dim: dim + 4, "q8_0": lambda dim: dim // 32 * 34}
-"""Bytes of one cached row (one position of one head) of ``dim`` values, by cache type: int4q's int8
-rows carry an fp32 scale; llama.cpp's q8_0 blocks of 32 an fp16 one."""
+KV_BYTES = {"bf16": lambda dim: 2 * dim, "int8": lambda dim: dim + 2 * (dim // 32) + 2,
+            "q8_0": lambda dim: dim // 32 * 34}
+"""Bytes of one cached row (one position of one head) of ``dim`` values, by cache type, the mean of
+a key's and a value's: int4q's int8 keys carry an fp32 scale per 32 values and its values one a
+row; llama.cpp's q8_0 blocks of 32 an fp16 one."""
 
 
 def kv_bytes_per_position(model_dir: str, kind: str = "bf16") -> int:

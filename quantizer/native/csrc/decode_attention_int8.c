@@ -134,6 +134,7 @@ VNNI static inline __m512i dot_pairs(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
 }
+
 #define SCORE_HEADS 8 /* query heads of a score tile at most */
 #define VALUE_HEADS 6 /* query heads of a value tile at most: 6 heads x 64 dimensions in 24 accumulators */
 #define PREFETCH_BYTES 4096 /* ahead in the keys' and the values' streams */

@@ -50,7 +50,8 @@ class Int8Cache:
 
     @classmethod
     def empty(cls, kv_heads: int, positions: int, dim: int) -> "Int8Cache":
-        """A zeroed cache for at least ``positions`` positions (rounded up to :data:`BLOCK`)."""
+        """A cache of zero codes and scales for at least ``positions`` positions (rounded up to
+        :data:`BLOCK`)."""
         rounded = -(-positions // BLOCK) * BLOCK
         shape = (1, kv_heads, rounded, dim)
         return cls(torch.full(shape, KEY_OFFSET, dtype=torch.uint8), torch.zeros(*shape[:3], dim // KEY_DIMS),
@@ -86,7 +87,7 @@ def store_and_attend(cache: Int8Cache, q, k, v, start: int, scale: float, prompt
 
 def rows(cache: Int8Cache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached keys and values of positions 0..length-1 as fp32 [1, kv_heads, length, dim]:
-    each code times its row's scale (exact in fp32)."""
+    each code times its scale (a value row's, a key block's; exact in fp32)."""
     _, kv_heads, positions, dim = cache.keys.shape
     keys = cache.keys.view(kv_heads, positions // BLOCK, dim // 4, BLOCK, 4).permute(0, 1, 3, 2, 4)
     keys = keys.reshape(1, kv_heads, positions, dim).int() - KEY_OFFSET
