@@ -362,7 +362,6 @@ class FastDecoder(SteppedDecoder):
         attn = self.layers[0].self_attn
         self.scale = attn.scaling
         kv_shape = (sequences, config.num_key_value_heads, max_len, attn.head_dim)
-        self.kv_cache = kv_cache
         int8 = kv_cache == "int8"
         self.keys = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers] if not int8 else []
         self.values = [torch.zeros(kv_shape, dtype=torch.bfloat16) for _ in self.layers] if not int8 else []
