@@ -116,9 +116,15 @@ def main() -> None:
                     "peak_rss_gb": max(steps[0]["peak_rss_gb"], steps[1]["peak_rss_gb"])}
         steps.insert(2, pipeline)
     print_table(source_gb, steps)
+    record = {"model": str(a.model), "source_gb": source_gb, "threads": a.threads, "steps": steps}
+    if not a.skip_llama:
+        pipeline, gguf = steps[2], steps[3]
+        record["gguf_over_pipeline"] = {"seconds": round(gguf["seconds"] / pipeline["seconds"], 3),
+                                        "peak_rss": round(gguf["peak_rss_gb"] / pipeline["peak_rss_gb"], 3)}
+        print(f"int4q's GGUF over llama.cpp's pipeline: {record['gguf_over_pipeline']['seconds']:.2f}x the time, "
+              f"{record['gguf_over_pipeline']['peak_rss']:.2f}x the peak RSS")
     if a.json:
-        a.json.write_text(json.dumps({"model": str(a.model), "source_gb": source_gb, "threads": a.threads,
-                                      "steps": steps}, indent=1) + "\n")
+        a.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,32 @@ def grid_scores(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, weight
     return out
 
 
+def grid_errors(g: torch.Tensor, grids: list[tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor | None = None,
+                bits: int = 4) -> torch.Tensor:
+    """g [N, G, group] fp32 and C candidate grids (scale, zero) [N, G] (any float dtype, used as fp32),
+    weights [G, group] -> fp32 [C, N, G]: each grid's ERROR column of :func:`grid_scores`, the
+    candidates scored in one pass where the native kernel runs (each group's values then stay in
+    cache)."""
+    n, groups, group = g.shape
+    weights = torch.ones(groups, group, device=g.device) if weights is None else weights
+    scales, zeros = (torch.stack([grid[i].to(torch.float32) for grid in grids]).contiguous() for i in (0, 1))
+    out = torch.empty(len(grids), n, groups, device=g.device)
+    scorer = ERRORS() if g.device.type == "cpu" and group % LANES == 0 else torch_errors
+    scorer(g.to(torch.float32).contiguous(), weights.to(torch.float32).contiguous(), scales, zeros,
+           code_range(bits)[1], out)
+    return out
+
+
+def torch_errors(g: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, qmax: int,
+                 out: torch.Tensor) -> None:
+    """:func:`grid_errors` grid by grid with :func:`grid_scores`' kernel, written into ``out`` [C, N, G]."""
+    scores = torch.empty(*g.shape[:2], 4, device=g.device)
+    scorer = KERNEL() if g.device.type == "cpu" and g.shape[-1] % LANES == 0 else torch_scores
+    for c in range(scales.shape[0]):
+        scorer(g, weights, scales[c], zeros[c], qmax, scores)
+        out[c] = scores[..., ERROR]
+
+
 def torch_scores(g: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int,
                  out: torch.Tensor) -> None:
     """:func:`grid_scores` in torch, written into ``out`` [N, G, 4]; fp32 arguments as the native
@@ -91,3 +117,23 @@ def _probe(kernel) -> list[torch.Tensor]:
 
 
 KERNEL = CheckedKernel(torch_scores, _operator, _probe, "grid scoring")
+
+
+def _errors_probe(kernel) -> list[torch.Tensor]:
+    """Seeded errors of 3 candidate grids for 37 rows of 3 groups (16 groups side by side, then a
+    tail) of 8, 16 and 32 under 4- to 6-bit grids, some of scale 0: what ``kernel`` writes."""
+    gen = torch.Generator().manual_seed(1)
+    written = []
+    for group, qmax in ((8, 15), (16, 63), (32, 31)):
+        g = torch.randn(37, 3, group, generator=gen)
+        weights = torch.rand(3, group, generator=gen) * (torch.rand(3, group, generator=gen) > 0.1)
+        scales = (torch.rand(3, 37, 3, generator=gen) - 0.2) * 0.3
+        scales[:, :, 0] = 0.0
+        zeros = torch.randn(3, 37, 3, generator=gen) * 0.2
+        out = torch.empty(3, 37, 3)
+        kernel(g, weights, scales, zeros, qmax, out)
+        written.append(out)
+    return written
+
+
+ERRORS = CheckedKernel(torch_errors, lambda library: library.grid_errors, _errors_probe, "grid errors")

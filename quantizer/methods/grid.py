@@ -11,7 +11,7 @@ bf16 ``scale`` and ``zero`` and codes ``q`` in [0, 15], dequantized as ``(q - 8)
 GGUF's 5- and 6-bit types use the same grids with wider codes (``Storage.bits``: 0..31 around 16,
 0..63 around 32; see :mod:`.codes`).
 
-Codes are always chosen against the scale and zero *as stored* (:class:`Storage`: bf16 for
+Codes are always chosen against the scale and zero *as stored* (:class:`.storage.Storage`: bf16 for
 cpu_int4, fp16 and an integer or fp16 zero for the GPTQ and GGUF layouts, or GGUF's K-quant
 super-blocks, see :mod:`.superblock`).
 
@@ -21,16 +21,17 @@ channel, or (``Storage.int8_block``) one per block of consecutive input columns.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .candidates import ERROR, WU, WUG, WUU, grid_scores
+from .candidates import ERROR, grid_scores
 from .codebook import codebook_search, dequantize_levels
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .recovery import with_recovered
 from .llama_searches import llama_grids
+from .shrink_search import WEIGHTED_SHRINKS, shrunk_grids  # noqa: F401
+from .storage import BF16, INTEGER_ZERO, Storage, grid_params, stored_symmetric  # noqa: F401
 from .superblock import better_superblocks, superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -39,59 +40,6 @@ SEARCH_CHUNK = 1 << 19
 (on a [8960, 1536] weight, ten times faster than one pass over all rows); rows are independent,
 so the result is the same."""
 CLIP_SHRINKS = torch.linspace(1.0, 0.80, 21).tolist()
-WEIGHTED_SHRINKS = torch.linspace(1.0, 0.80, 9).tolist() + [1.01, 1.02, 1.03, 1.04]
-"""The weighted search's range factors: shrunk (clipping the extremes) and widened a little (the
-extremes on inner codes), as llama.cpp's own searches try steps on both sides."""
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How a format stores a group's scale and zero, which fixes the values codes are rounded against.
-
-    ``zero``: "float" (stored in ``scale_dtype``), "integer" (``zero = (8 - z) * scale`` for an
-    integer zero point z in [1, 15], as GPTQ v1 and GGUF's Q4_0 hold it) or "min" (an fp16 minimum
-    m beside the scale, ``zero = m + 8 * scale``, as GGUF's Q4_1 holds it). ``int8_block``: input
-    columns per 8-bit scale (None: one per output channel). ``signed_scale``: a symmetric grid may
-    take a negative scale, so that a group's largest magnitude gets code 0 whatever its sign (an
-    eighth of it a step, as llama.cpp's Q4_0 does) instead of a seventh when it is positive.
-    ``superblock``: groups per K-quant super-block, whose grids are stored as levels of fp16
-    units (see :mod:`.superblock`); a row whose groups do not fill super-blocks is stored as this
-    storage without them. ``bits``: the width of the group codes (4, or GGUF's 5 and 6).
-    ``codebook``: a non-linear grid's levels (symmetric, ``w = levels[q] * scale``, see
-    :mod:`.codebook`), None for the linear grids above.
-    """
-
-    scale_dtype: torch.dtype = torch.bfloat16
-    zero: str = "float"
-    int8_block: int | None = None
-    signed_scale: bool = False
-    superblock: int | None = None
-    bits: int = 4
-    codebook: tuple[int, ...] | None = None
-
-    @property
-    def exact_dtype(self) -> torch.dtype:
-        """The dtype that holds a stored scale and zero exactly (fp64 for super-blocks, whose zero
-        is the difference of two products of fp16 and 6-bit values)."""
-        if self.superblock:
-            return torch.float64
-        return self.scale_dtype if self.zero == "float" else torch.float32
-
-    def couples(self, groups: int) -> bool:
-        """Whether a row of ``groups`` groups is stored in super-blocks."""
-        return bool(self.superblock) and groups % self.superblock == 0
-
-    def for_row(self, groups: int) -> "Storage":
-        """The storage each group's own grid is chosen on, for a row of ``groups`` groups: fp32
-        (then stored by :func:`superblock_grids`) where super-blocks couple them, else itself
-        without super-blocks."""
-        if self.couples(groups):
-            return dataclasses.replace(self, scale_dtype=torch.float32, zero="float", superblock=None)
-        return dataclasses.replace(self, superblock=None) if self.superblock else self
-
-
-BF16 = Storage()
-INTEGER_ZERO = Storage(torch.float16, "integer")
 
 
 @dataclass(frozen=True)
@@ -141,35 +89,6 @@ def row_chunks(rows: int, per_row: int) -> list[slice]:
         return [slice(None)]
     step = max(1, SEARCH_CHUNK // per_row)
     return [slice(start, start + step) for start in range(0, rows, step)]
-
-
-def grid_params(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool,
-                storage: Storage = BF16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group range [lo, hi] (fp32) -> (scale, zero) as ``storage`` holds them, in its
-    ``exact_dtype`` (fp32 for an integer or minimum zero, whose products are exact there)."""
-    if storage.superblock:
-        own = storage.for_row(lo.shape[-1])
-        params = grid_params(lo, hi, symmetric, own)
-        return superblock_grids(*params, storage, symmetric) if storage.couples(lo.shape[-1]) else params
-    mid, qmax = code_range(storage.bits)
-    if symmetric:
-        if storage.signed_scale:
-            return stored_symmetric(torch.where(hi > -lo, -hi / mid, -lo / mid), storage)
-        return stored_symmetric(torch.maximum(-lo / mid, hi / (qmax - mid)).clamp(min=0.0), storage)
-    scale = (hi - lo) / qmax
-    if storage.zero == "float":
-        return scale.to(storage.scale_dtype), (lo + mid * scale).to(storage.scale_dtype)
-    scale = scale.to(storage.scale_dtype).to(torch.float32)
-    if storage.zero == "min":
-        return scale, lo.to(storage.scale_dtype).to(torch.float32) + mid * scale
-    z = torch.round(-lo / torch.where(scale == 0, 1.0, scale)).clamp(1, qmax)
-    return scale, (mid - z) * scale
-
-
-def stored_symmetric(scale: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
-    """A symmetric grid's (scale, zero 0) as ``storage`` holds them."""
-    stored = scale.to(storage.scale_dtype).to(storage.exact_dtype)
-    return stored, torch.zeros_like(stored)
 
 
 def quantize_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False, clip_search: bool = False,
@@ -234,57 +153,33 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor | None, symmetri
     if len(chunks) > 1:
         parts = [weighted_grid_search(g[rows], weights, symmetric, storage) for rows in chunks]
         return tuple(torch.cat(t) for t in zip(*parts))
-    bits, importance = storage.bits, weights
+    importance = weights
     weights = torch.ones(g.shape[1:], device=g.device) if weights is None else weights
     if storage.codebook:
         return codebook_search(g, weights.to(torch.float32), storage)
+    scale, zero = _searched_grids(g, weights, importance, symmetric, storage)
+    return scale, zero, round_to_grid(g, scale, zero, storage.bits)
+
+
+def _searched_grids(g: torch.Tensor, weights: torch.Tensor, importance: torch.Tensor | None, symmetric: bool,
+                    storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weighted_grid_search`'s stored (scale, zero) [N, G] on a linear grid, without the
+    codes; ``importance`` is ``weights`` as given (None: no importance matrix)."""
+    bits = storage.bits
     if storage.superblock:
-        scale, zero, codes = weighted_grid_search(g, weights, symmetric, storage.for_row(g.shape[1]))
+        scale, zero = _searched_grids(g, weights, importance, symmetric, storage.for_row(g.shape[1]))
         if not storage.couples(g.shape[1]):
-            return scale, zero, codes
+            return scale, zero
         scale, zero = superblock_grids(scale, zero, storage, symmetric, g, weights)
         theirs = llama_grids(g, bits, storage.superblock, symmetric, importance)
         if theirs is not None:  # llama.cpp's own grids are candidates too
             scale, zero = better_superblocks(g, weights, bits, storage.superblock, (scale, zero), theirs)
-        scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
-        return scale, zero, round_to_grid(g, scale, zero, bits)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale, zero = grid_params(lo, hi, symmetric, storage)
-    best = grid_scores(g, scale, zero, weights, bits)[..., ERROR]
-    mid = torch.zeros_like(lo) if symmetric else (lo + hi) / 2
-    fixed = weights.sum(-1), (weights * g).sum(-1)  # sum(w), sum(w g): the same for every grid
-    for shrink in WEIGHTED_SHRINKS:
-        c_scale, c_zero = grid_params(mid + (lo - mid) * shrink, mid + (hi - mid) * shrink, symmetric, storage)
-        scores = grid_scores(g, c_scale, c_zero, weights, bits)
-        refit = _least_squares_grid(scores, fixed, symmetric, storage)
-        for c_scale, c_zero, err in ((c_scale, c_zero, scores[..., ERROR]),
-                                     (*refit, grid_scores(g, *refit, weights, bits)[..., ERROR])):
-            better = err < best
-            best = torch.where(better, err, best)
-            scale, zero = torch.where(better, c_scale, scale), torch.where(better, c_zero, zero)
+        return with_recovered(g, scale, zero, storage, symmetric, weights)
+    scale, zero = shrunk_grids(g, weights, symmetric, storage)
     theirs = llama_grids(g, bits, None, symmetric, importance) if storage.zero == "min" else None
     if theirs is not None:  # llama.cpp's own grids are candidates too
         scale, zero = better_superblocks(g, weights, bits, 1, (scale, zero), theirs)
-    scale, zero = with_recovered(g, scale, zero, storage, symmetric, weights)
-    return scale, zero, round_to_grid(g, scale, zero, bits)
-
-
-def _least_squares_grid(scores: torch.Tensor, fixed: tuple[torch.Tensor, torch.Tensor], symmetric: bool,
-                        storage: Storage):
-    """The stored (scale, zero) of the weighted least-squares fit w ~ (q - mid) * scale + zero for
-    the codes a grid's ``scores`` (:func:`.candidates.grid_scores`) are of; ``fixed``: each group's
-    sum(w) and sum(w g)."""
-    mid, qmax = code_range(storage.bits)
-    su, suu, su_w = scores[..., WU], scores[..., WUU], scores[..., WUG]
-    sw, sw_w = fixed
-    if symmetric:
-        scale = su_w / suu.clamp(min=1e-30)
-        return stored_symmetric(scale if storage.signed_scale else scale.clamp(min=0.0), storage)
-    det = (suu * sw - su * su).clamp(min=1e-30)
-    scale, zero = (su_w * sw - su * sw_w) / det, (suu * sw_w - su * su_w) / det
-    scale = scale.clamp(min=0.0)
-    lo, hi = zero - mid * scale, zero + (qmax - mid) * scale
-    return grid_params(lo, hi, symmetric, storage)
+    return with_recovered(g, scale, zero, storage, symmetric, weights)
 
 
 QMAX8 = 127

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..native.checked import CheckedKernel
+from . import fused_search
 from .candidates import ERROR, WU, WUG, WUU, grid_scores
 from .codes import code_range
 
@@ -77,20 +79,37 @@ def llama_group_grids(g: torch.Tensor, bits: int, weights: torch.Tensor | None =
     """Per group of g [N, G, B] (fp32): ggml's step (>= 0 where the fit allows) and the value of
     code 0 (<= 0), both fp32 [N, G], for per-element ``weights`` [N, G, B] and ``stretch`` (by
     default ``make_qkx2_quants``': weights rms + |w|, :data:`STRETCHES`). Each grid's codes and
-    sums come from one pass of :func:`.candidates.grid_scores`, each group weighted by its own
-    elements' weights."""
-    n, groups, size = g.shape
-    nmax, mid = 2**bits - 1, code_range(bits)[0]
+    sums are those of :func:`.candidates.grid_scores`, each group weighted by its own elements'
+    weights."""
     x = g.to(torch.float32)
     if weights is None:
         weights = x.square().mean(-1, keepdim=True).sqrt_() + x.abs()
     rmin, rdelta, nstep = STRETCHES[bits] if stretch is None else stretch
+    nmax = np.float32(2**bits - 1)
+    steps = [nmax] + [np.float32(rmin) + np.float32(rdelta) * np.float32(i) + nmax for i in range(nstep + 1)]
     low = x.amin(-1).clamp(max=0.0)
     span = x.amax(-1) - low
     flat = span == 0
     span = torch.where(flat, 1.0, span)
     wx = weights * x
-    sum_w, sum_x, sum_x2 = weights.sum(-1), wx.sum(-1), (wx * x).sum(-1)
+    sums = weights.sum(-1), wx.sum(-1), (wx * x).sum(-1)
+    if fused_search.runs_on(x):
+        step, zero = fused_search.stretch_search(STRETCH(), x, weights, low, span, sums, steps, bits)
+    else:
+        step, zero = _stretch_loop(x, weights, low, span, sums, steps, bits)
+    return torch.where(flat, 0.0, step), torch.where(flat, low, zero)
+
+
+def _stretch_loop(x: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, span: torch.Tensor,
+                  sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor], steps: list,
+                  bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`llama_group_grids`' candidates for groups x [N, G, B] with weights [N, G, B], lowest
+    points ``low`` and nonzero spans [N, G], ``sums`` (of w, w x, w x x) [N, G]: the grid of
+    ``steps[0]`` steps (the min/max grid), then per later step count the least-squares refit of
+    that grid's codes, kept where it is solvable and its error strictly lower -> (step, zero)."""
+    n, groups, size = x.shape
+    nmax, mid = 2**bits - 1, code_range(bits)[0]
+    sum_w, sum_x, sum_x2 = sums
     own = weights.reshape(n * groups, size)
 
     def scores(steps: np.float32) -> torch.Tensor:
@@ -105,12 +124,12 @@ def llama_group_grids(g: torch.Tensor, bits: int, weights: torch.Tensor | None =
                 - 2 * step * sum_xl - 2 * zero * sum_x)
 
     best_step, best_zero = span / nmax, low
-    best = scores(np.float32(nmax))[..., ERROR]
-    for i in range(nstep + 1):
-        sums = scores(np.float32(rmin) + np.float32(rdelta) * np.float32(i) + np.float32(nmax))
-        sum_u, sum_u2 = sums[..., WU], sums[..., WUU]  # codes l = u + mid
+    best = scores(steps[0])[..., ERROR]
+    for count in steps[1:]:
+        scored = scores(count)
+        sum_u, sum_u2 = scored[..., WU], scored[..., WUU]  # codes l = u + mid
         sum_l, sum_l2 = sum_u + mid * sum_w, sum_u2 + 2 * mid * sum_u + mid * mid * sum_w
-        sum_xl = sums[..., WUG] + mid * sum_x
+        sum_xl = scored[..., WUG] + mid * sum_x
         det = sum_w * sum_l2 - sum_l * sum_l
         safe = torch.where(det > 0, det, 1.0)
         step, zero = (sum_w * sum_xl - sum_x * sum_l) / safe, (sum_l2 * sum_x - sum_l * sum_xl) / safe
@@ -121,7 +140,22 @@ def llama_group_grids(g: torch.Tensor, bits: int, weights: torch.Tensor | None =
         better = (det > 0) & (err < best)  # a later grid wins only where strictly better, as in ggml
         best = torch.where(better, err, best)
         best_step, best_zero = torch.where(better, step, best_step), torch.where(better, zero, best_zero)
-    return torch.where(flat, 0.0, best_step), torch.where(flat, low, best_zero)
+    return best_step, best_zero
+
+
+def torch_stretch_search(x: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, span: torch.Tensor,
+                         sum_w: torch.Tensor, sum_x: torch.Tensor, sum_x2: torch.Tensor, steps: torch.Tensor,
+                         qmax: int, step: torch.Tensor, zero: torch.Tensor) -> None:
+    """:func:`_stretch_loop` in the arguments of the native kernel (:mod:`.fused_search`): groups
+    x [1, M, B], per-group tensors [M], written into ``step`` and ``zero``."""
+    sums = tuple(t.reshape(1, -1) for t in (sum_w, sum_x, sum_x2))
+    found = _stretch_loop(x, weights, low.reshape(1, -1), span.reshape(1, -1), sums,
+                          [np.float32(v) for v in steps.tolist()], (qmax + 1).bit_length() - 1)
+    step.copy_(found[0].reshape(-1)), zero.copy_(found[1].reshape(-1))
+
+
+STRETCH = CheckedKernel(torch_stretch_search, fused_search.stretch_operator, fused_search.stretch_probe,
+                        "llama.cpp's grid search")
 
 
 def llama_superblock_grids(g: torch.Tensor, bits: int, per_block: int,
@@ -200,6 +234,43 @@ def weighted_levels(values: torch.Tensor, weights: torch.Tensor) -> tuple[torch.
     return unit.to(torch.float16).to(torch.float64), torch.where(empty, 0.0, levels).to(torch.float64)
 
 
+def _signed_loop(x: torch.Tensor, weights: torch.Tensor, top: torch.Tensor, steps: list, bits: int) -> torch.Tensor:
+    """:func:`llama_signed_grids`' candidates for groups x [N, G, B] with weights [N, G, B] and values
+    of largest magnitude ``top`` [N, G] (nonzero): per step count the least-squares step of the
+    codes of the grid with -top / count a step, kept where its gain sum(w x l)^2 / sum(w l l) is
+    strictly higher (the first count's always) -> the signed step [N, G]."""
+    n, groups, size = x.shape
+    own, zeros = weights.reshape(n * groups, size), torch.zeros_like(top).reshape(1, -1)
+
+    def fit(count: np.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum(w x l), sum(w l l)) [N, G] for the codes l of the grid with -top / count a step."""
+        sums = grid_scores(x.reshape(1, n * groups, size), (-top / float(count)).reshape(1, -1), zeros, own, bits)
+        return sums[0, :, WUG].reshape(n, groups), sums[0, :, WUU].reshape(n, groups)
+
+    lx, l2 = fit(steps[0])
+    scale = torch.where(l2 > 0, lx / torch.where(l2 > 0, l2, 1.0), 0.0)
+    best = scale * lx
+    for count in steps[1:]:
+        lx, l2 = fit(count)
+        trial = lx / torch.where(l2 > 0, l2, 1.0)
+        better = (l2 > 0) & (lx * lx > best * l2)
+        scale, best = torch.where(better, trial, scale), torch.where(better, trial * lx, best)
+    return scale
+
+
+def torch_signed_search(x: torch.Tensor, weights: torch.Tensor, top: torch.Tensor, steps: torch.Tensor, qmax: int,
+                        scale: torch.Tensor) -> None:
+    """:func:`_signed_loop` in the arguments of the native kernel (:mod:`.fused_search`): groups
+    x [1, M, B], ``top`` [M], written into ``scale`` [M]."""
+    found = _signed_loop(x, weights, top.reshape(1, -1), [np.float32(v) for v in steps.tolist()],
+                         (qmax + 1).bit_length() - 1)
+    scale.copy_(found.reshape(-1))
+
+
+SIGNED = CheckedKernel(torch_signed_search, fused_search.signed_operator, fused_search.signed_probe,
+                       "llama.cpp's Q6_K grid search")
+
+
 def llama_signed_grids(g: torch.Tensor, bits: int, per_block: int,
                        importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's Q6_K grids (scale, zero 0) [N, G] fp64 for g [N, G, B]: each group's signed step by
@@ -209,24 +280,14 @@ def llama_signed_grids(g: torch.Tensor, bits: int, per_block: int,
     x = g.to(torch.float32)
     weights = x * x if importance is None else importance.to(torch.float32).expand_as(x)
     top = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the first of the largest, as ggml
-    own, zeros = weights.reshape(n * groups, size), torch.zeros_like(top).reshape(1, -1)
     empty = top.abs() < EMPTY
     top = torch.where(empty, 1.0, top)
-
-    def fit(steps: np.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum(w x l), sum(w l l)) [N, G] for the codes l of the grid with -top / steps a step."""
-        sums = grid_scores(x.reshape(1, n * groups, size), (-top / float(steps)).reshape(1, -1), zeros, own, bits)
-        return sums[0, :, WUG].reshape(n, groups), sums[0, :, WUU].reshape(n, groups)
-
     nmax = np.float32(2 ** (bits - 1))
-    lx, l2 = fit(nmax)
-    scale = torch.where(l2 > 0, lx / torch.where(l2 > 0, l2, 1.0), 0.0)
-    best = scale * lx
-    for stretch in SIGNED_STRETCHES:
-        lx, l2 = fit(nmax + np.float32(0.1) * np.float32(stretch))
-        trial = lx / torch.where(l2 > 0, l2, 1.0)
-        better = (l2 > 0) & (lx * lx > best * l2)
-        scale, best = torch.where(better, trial, scale), torch.where(better, trial * lx, best)
+    steps = [nmax] + [nmax + np.float32(0.1) * np.float32(stretch) for stretch in SIGNED_STRETCHES]
+    if fused_search.runs_on(x):
+        scale = fused_search.signed_search(SIGNED(), x, weights, top, steps, bits)
+    else:
+        scale = _signed_loop(x, weights, top, steps, bits)
     blocks = torch.where(empty, 0.0, scale).reshape(n, groups // per_block, per_block)
     largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
     inverse = torch.where(largest.abs() < EMPTY, 0.0, -SIGNED_LEVELS / largest)

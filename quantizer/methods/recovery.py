@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..native.checked import CheckedKernel
 from .candidates import ERROR, grid_scores
 from .codes import code_range
 from .recovered_units import NEAR, on_units
@@ -29,6 +30,10 @@ from .recovered_units import NEAR, on_units
 SPANS = 4
 PROBE_ROWS = 8  # rows tried first: a weight whose probed groups mostly sit on no grid is not searched
 PROBE_SHARE = 0.5
+BATCHED_VALUES = 1 << 18
+"""Without the native kernel, groups' values up to which every candidate grid is checked in one
+torch pass (a probe's few rows); above it candidates go one at a time, on the groups still
+unfound, to bound the memory."""
 
 
 NEAR_SOURCE = 2.0**-7
@@ -69,7 +74,7 @@ def _gap_grids(g: torch.Tensor, bits: int, symmetric: bool, fp16: bool):
     group's distinct values, or its half or third where no two codes are adjacent (each sign; each
     code of the lowest value)."""
     _, qmax = code_range(bits)
-    ordered = g.to(torch.float64).sort(-1).values
+    ordered = g.sort(-1).values.to(torch.float64)  # fp32 values sort as their fp64 forms do
     gaps = ordered[..., 1:] - ordered[..., :-1]
     gap = torch.where(gaps > 0, gaps, torch.inf).amin(-1)
     gap = torch.where(torch.isinf(gap), 0.0, gap)
@@ -106,27 +111,76 @@ def _fits(g: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int, sym
     return (near & (q >= lowest) & (q <= highest)).all(-1)
 
 
-def _first_found(g: torch.Tensor, generators, fits) -> tuple[torch.Tensor, ...] | None:
-    """Per group of g [M, group] the first candidate (step, low) [M] that fits, each generator (a
-    function of the groups still unfound) tried on those only: (step, low, found) [M], or None
-    where none fits anywhere."""
+def _first_found(g: torch.Tensor, generators, bits: int, symmetric: bool,
+                 slack: float) -> tuple[torch.Tensor, ...] | None:
+    """Per group of g [M, group] the first candidate (step, low) [M] that fits (:func:`_fits`), each
+    generator (a function of the groups still unfound) tried on those only: (step, low, found)
+    [M], or None where none fits anywhere."""
     size = g.shape[0]
     step = torch.zeros(size, dtype=torch.float64, device=g.device)
     low, found = torch.zeros_like(step), torch.zeros(size, dtype=torch.bool, device=g.device)
+    first_fit = FIRST_FIT() if g.device.type == "cpu" and g.dtype == torch.float32 else torch_first_fit
     for generate in generators:
         left = (~found).nonzero().squeeze(-1)
         if not left.numel():
             break
         sub = g[left]
+        candidates = list(generate(sub))
+        if candidates and (first_fit is not torch_first_fit or sub.numel() <= BATCHED_VALUES):  # all in one call
+            steps, lows = (torch.stack(c).contiguous() for c in zip(*candidates))
+            index = torch.empty(left.numel(), dtype=torch.int64, device=g.device)
+            first_fit(sub.contiguous(), steps, lows, code_range(bits)[1], symmetric, slack, index)
+            hit = (index >= 0).nonzero().squeeze(-1)
+            step[left[hit]], low[left[hit]], found[left[hit]] = steps[index[hit], hit], lows[index[hit], hit], True
+            continue
         alive = torch.arange(left.numel(), device=g.device)  # the positions in sub still unfound
-        for cand_step, cand_low in generate(sub):
+        for cand_step, cand_low in candidates:
             if not alive.numel():
                 break
-            ok = fits(sub[alive], cand_step[alive], cand_low[alive])
+            ok = _fits(sub[alive], cand_step[alive], cand_low[alive], bits, symmetric, slack)
             hit = alive[ok]
             step[left[hit]], low[left[hit]], found[left[hit]] = cand_step[hit], cand_low[hit], True
             alive = alive[~ok]
     return (step, low, found) if bool(found.any()) else None
+
+
+def torch_first_fit(x: torch.Tensor, steps: torch.Tensor, lows: torch.Tensor, qmax: int, symmetric: bool,
+                    slack: float, out: torch.Tensor) -> None:
+    """The index of the first candidate of ``steps`` and ``lows`` [C, M] (fp64) that holds each group
+    of x [M, group] (fp32) by :func:`_fits`, or -1 where none does, written into ``out`` [M] int64."""
+    ok = _fits(x, steps, lows, (qmax + 1).bit_length() - 1, symmetric, slack)
+    out.copy_(torch.where(ok.any(0), ok.to(torch.uint8).argmax(0), -1))  # argmax: the first of equal values
+
+
+def _fit_probe(kernel) -> list[torch.Tensor]:
+    """The indices ``kernel`` writes for seeded groups of 16 and 32, half on a grid (at a candidate
+    chosen per group, the others a step or a low off it), exact and with slack, symmetric and not,
+    4- and 6-bit, some values rounded to bf16 and some groups all zero."""
+    gen = torch.Generator().manual_seed(3)
+    written = []
+    for size, bits, symmetric, slack in ((32, 4, False, 0.0), (16, 6, True, 0.0), (32, 4, False, NEAR_SOURCE),
+                                        (16, 6, True, 2.0**-20), (32, 5, True, NEAR_SOURCE)):
+        mid, qmax = code_range(bits)
+        m, count = 48, 5
+        step = (torch.rand(m, generator=gen) * 0.01 + 1e-3).to(torch.float16).to(torch.float64)
+        low = torch.zeros(m, dtype=torch.float64) if symmetric else -(torch.rand(m, generator=gen) * 0.05).to(
+            torch.float16).to(torch.float64)
+        codes = torch.randint(0, qmax + 1, (m, size), generator=gen).to(torch.float64) - (mid if symmetric else 0)
+        x = (codes * step[:, None]).to(torch.float32) + low[:, None].to(torch.float32)
+        x[m // 2:] += torch.randn(m - m // 2, size, generator=gen) * 1e-3
+        x[::7] = x[::7].to(torch.bfloat16).to(torch.float32)
+        x[5] = 0.0
+        at = torch.randint(0, count, (m,), generator=gen)
+        off = torch.arange(count)[:, None] != at[None, :]
+        steps = step.expand(count, m) * torch.where(off, 1.0 + 0.01 * torch.arange(count)[:, None], 1.0)
+        lows = low.expand(count, m) + torch.where(off & (torch.arange(count)[:, None] % 2 == 0), 1e-4, 0.0)
+        out = torch.full((m,), 99, dtype=torch.int64)
+        kernel(x.contiguous(), steps.contiguous(), lows.contiguous(), qmax, symmetric, slack, out)
+        written.append(out)
+    return written
+
+
+FIRST_FIT = CheckedKernel(torch_first_fit, lambda library: library.first_fit, _fit_probe, "grid recovery")
 
 
 def recovered_grids(g: torch.Tensor, symmetric: bool, bits: int, superblock: int | None = None,
@@ -148,7 +202,7 @@ def recovered_grids(g: torch.Tensor, symmetric: bool, bits: int, superblock: int
         def spans(sub):
             return _minimum_grids(sub, bits, fp16)
     generators = [spans, lambda sub: _gap_grids(sub, bits, symmetric, fp16)]
-    hit = _first_found(g.reshape(-1, size), generators, lambda sub, s, m: _fits(sub, s, m, bits, symmetric, slack))
+    hit = _first_found(g.reshape(-1, size), generators, bits, symmetric, slack)
     if hit is None:
         return None
     step, low, found = (t.reshape(n, groups) for t in hit)

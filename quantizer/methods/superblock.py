@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .candidates import ERROR, grid_scores
+from .candidates import grid_errors
 from .codes import code_range
 
 SUPER_LEVELS = 63  # the asymmetric super-blocks' 6-bit levels
@@ -52,13 +52,12 @@ def superblock_grids(scale: torch.Tensor, zero: torch.Tensor, storage, symmetric
             s = (step_unit * (step_levels + ds).clamp(0, SUPER_LEVELS)).reshape(n, groups)
             return s, mid * s - (min_unit * (min_levels + dm).clamp(0, SUPER_LEVELS)).reshape(n, groups)
         moves = [(ds, dm) for ds in LEVEL_STEPS for dm in LEVEL_STEPS]
-    best_scale, best_zero = grid(0, 0)
     if g is None:
-        return best_scale, best_zero
-    best = grid_scores(g, best_scale, best_zero, weights, bits)[..., ERROR]
-    for ds, dm in moves[1:]:
-        s, z = grid(ds, dm)
-        err = grid_scores(g, s, z, weights, bits)[..., ERROR]
+        return grid(0, 0)
+    grids = [grid(ds, dm) for ds, dm in moves]
+    errors = grid_errors(g, grids, weights, bits)
+    (best_scale, best_zero), best = grids[0], errors[0]
+    for (s, z), err in zip(grids[1:], errors[1:]):
         better = err < best
         best = torch.where(better, err, best)
         best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)
@@ -109,9 +108,7 @@ def better_superblocks(g: torch.Tensor, weights: torch.Tensor | None, bits: int,
     [G, group]); ``ours`` on a tie."""
     n, groups, _ = g.shape
 
-    def block_error(grid: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        err = grid_scores(g, *grid, weights, bits)[..., ERROR].to(torch.float64)
-        return err.reshape(n, groups // per_block, per_block).sum(-1, keepdim=True)
-
-    take = (block_error(theirs) < block_error(ours)).expand(n, groups // per_block, per_block).reshape(n, groups)
+    mine, other = (err.to(torch.float64).reshape(n, groups // per_block, per_block).sum(-1, keepdim=True)
+                   for err in grid_errors(g, [ours, theirs], weights, bits))
+    take = (other < mine).expand(n, groups // per_block, per_block).reshape(n, groups)
     return torch.where(take, theirs[0], ours[0]), torch.where(take, theirs[1], ours[1])

@@ -14,8 +14,8 @@ from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
 C_SOURCES = ("int4_gemv.c", "int4_gemv_rows.c", "int4_w4a8.c", "int4_w4a8_rows.c", "int4_dequant.c", "gram_bf16.c",
-             "gptq_columns.c", "refine_codes.c", "grid_scores.c", "rtn_minmax.c", "decode_attention.c",
-             "decode_attention_int8.c", "causal_attention.c")
+             "gptq_columns.c", "refine_codes.c", "grid_scores.c", "grid_search.c", "grid_fits.c",
+             "rtn_minmax.c", "decode_attention.c", "decode_attention_int8.c", "causal_attention.c")
 CXX_SOURCES = ("int4_ops.cpp", "gemv_rows_ops.cpp", "w4a8_ops.cpp", "refine_ops.cpp", "grid_ops.cpp",
                "attention_ops.cpp", "kv_int8_ops.cpp", "decode_plan.cpp")
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-w")

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from conftest import vector_level
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +96,26 @@ def test_a_scoring_kernel_that_computes_wrongly_is_not_used(caplog):
     with caplog.at_level(logging.WARNING):
         assert candidates.KERNEL.checked(wrong) is None
     assert "grid scoring gives other results" in caplog.text
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 5), group=st.sampled_from([8, 16, 32, 64]),
+       count=st.integers(1, 9), bits=st.sampled_from([4, 5, 6]), level=st.sampled_from([0, 1]),
+       seed=st.integers(0, 2**16))
+def test_the_native_errors_of_several_grids_are_each_grids_scored_error(rows, groups, group, count, bits, level,
+                                                                         seed):
+    """Sixteen groups side by side and the tail after them, on every vector path: each candidate's
+    error is the ERROR column grid_scores gives that grid, to the bit."""
+    native = candidates.ERRORS.native()
+    if native is None:
+        pytest.skip("no native library here")
+    g, weights, _, _ = problem(rows, groups, group, seed)
+    grids = [problem(rows, groups, group, seed + 1 + c)[2:] for c in range(count)]
+    scales, zeros = (torch.stack([grid[i] for grid in grids]) for i in (0, 1))
+    out = torch.full((count, rows, groups), float("nan"))
+    with vector_level(level):
+        native(g, weights, scales, zeros, code_range(bits)[1], out)
+    for c, (scale, zero) in enumerate(grids):
+        scores = torch.empty(rows, groups, 4)
+        torch_scores(g, weights, scale, zero, code_range(bits)[1], scores)
+        assert torch.equal(out[c], scores[..., ERROR])

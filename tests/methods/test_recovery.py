@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from conftest import on_gguf_grid as on_grid
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quantizer.formats.gguf.blocks import TYPES, encode
+from quantizer.methods import recovery
+from quantizer.methods.codes import code_range
 from quantizer.methods.gptq import gptq_quantize
 from quantizer.methods.grid import quantize_groupwise, weighted_grid_search
 from quantizer.methods.recovery import recovered_grids, with_recovered
@@ -84,3 +88,30 @@ def test_a_grid_rounded_to_bf16_comes_back_near_its_grid_and_never_worse_than_th
     assert err <= search_err
     if not TYPES[kind].kquant:  # a K-quant's near grids are found only where llama.cpp's units fit them
         assert err <= NEAR_GRID[kind] * (grid - w).pow(2).sum() and err < search_err / 10
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 40), size=st.sampled_from([16, 32]), bits=st.sampled_from([4, 5, 6]),
+       symmetric=st.booleans(), slack=st.sampled_from([0.0, 2.0**-20, 2.0**-7]), seed=st.integers(0, 2**16))
+def test_the_native_first_fit_is_the_torch_checks_first_candidate(groups, size, bits, symmetric, slack, seed):
+    """Candidates a step or a low off each group's own grid, the grid itself at a random place among
+    them (or nowhere): the native kernel and torch pick the same first candidate, or none."""
+    native = recovery.FIRST_FIT.native()
+    if native is None:
+        pytest.skip("no native library here")
+    gen = torch.Generator().manual_seed(seed)
+    mid, qmax = code_range(bits)
+    step = (torch.rand(groups, generator=gen) * 0.01 + 1e-3).to(torch.float16).to(torch.float64)
+    low = torch.zeros_like(step) if symmetric else -(torch.rand(groups, generator=gen) * 0.05).to(
+        torch.float16).to(torch.float64)
+    codes = torch.randint(0, qmax + 1, (groups, size), generator=gen).to(torch.float64) - (mid if symmetric else 0)
+    x = (codes * step[:, None]).to(torch.float32) + low[:, None].to(torch.float32)
+    x[torch.rand(groups, generator=gen) < 0.3] += torch.randn(size, generator=gen) * 1e-4
+    count = 6
+    nudges = 1.0 + (torch.randint(-2, 3, (count, groups), generator=gen) * 0.003).to(torch.float64)
+    nudges[torch.randint(0, count, (groups,), generator=gen), torch.arange(groups)] = 1.0
+    steps, lows = (step * nudges).contiguous(), low.expand(count, groups).contiguous()
+    picked = [torch.full((groups,), 99, dtype=torch.int64) for _ in range(2)]
+    native(x, steps, lows, qmax, symmetric, slack, picked[0])
+    recovery.torch_first_fit(x, steps, lows, qmax, symmetric, slack, picked[1])
+    assert torch.equal(*picked)

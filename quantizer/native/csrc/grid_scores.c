@@ -1,22 +1,12 @@
-/* How well each group's grid fits it (methods/candidates.py): per group of x, its nearest codes q
- * on the grid (scale, zero), u = q - mid, and four sums over the group's elements, each weighted by
- * the column's weight w: the squared error of the codes' values, w u, w u u and w u x (what the
- * least-squares refit of the grid needs).
- *
- * Element j of a group adds to lane j % 8; each lane sums in element order, then the lanes sum as
- * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). The torch reference sums the same way, element for
- * element, and the library is built with -ffp-contract=off, so the sums are bit-identical.
+/* How well each group's grid fits it (methods/candidates.py): per group of x, group_score.h's four
+ * sums (the squared error of its nearest codes on the grid, and what the least-squares refit of
+ * the grid needs), summed in the order the torch reference repeats, so they are bit-identical.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "int4q.h"
-
-#define LANES 8
-
-static inline __attribute__((always_inline)) float lanes_total(const float *v) {
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
+#include "group_score.h"
 
 static inline __attribute__((always_inline)) void scores(const float *x, const float *w, const float *scale,
                                                          const float *zero, float *out, int64_t groups,
@@ -24,25 +14,11 @@ static inline __attribute__((always_inline)) void scores(const float *x, const f
     const float qmax = (float)top, mid = (float)((top + 1) / 2);
     int64_t column = first % groups;
     for (int64_t i = first; i < last; i++, column = column + 1 == groups ? 0 : column + 1) {
-        const float *xi = x + i * group, *wi = w + column * group;
-        const float s = scale[i], z = zero[i], safe = s == 0.0f ? 1.0f : s;
-        float err[LANES] = {0}, wu[LANES] = {0}, wuu[LANES] = {0}, wux[LANES] = {0};
-        for (int64_t j0 = 0; j0 < group; j0 += LANES)
-            for (int l = 0; l < LANES; l++) {
-                const float v = xi[j0 + l], wl = wi[j0 + l];
-                float q = rintf((v - z) / safe + mid);
-                q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
-                q = s == 0.0f ? mid : q;
-                const float u = q - mid, d = u * s + z - v, a = wl * u;
-                err[l] += d * d * wl;
-                wu[l] += a;
-                wuu[l] += a * u;
-                wux[l] += a * v;
-            }
-        out[4 * i] = lanes_total(err);
-        out[4 * i + 1] = lanes_total(wu);
-        out[4 * i + 2] = lanes_total(wuu);
-        out[4 * i + 3] = lanes_total(wux);
+        const int4q_sums t = int4q_group_score(x + i * group, w + column * group, group, scale[i], zero[i], mid, qmax);
+        out[4 * i] = t.err;
+        out[4 * i + 1] = t.wu;
+        out[4 * i + 2] = t.wuu;
+        out[4 * i + 3] = t.wux;
     }
 }
 

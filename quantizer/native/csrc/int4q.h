@@ -1,8 +1,8 @@
 /* The C interface of int4q's kernels (int4_gemv.c, int4_gemv_rows.c, int4_w4a8.c, int4_w4a8_rows.c,
- * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, rtn_minmax.c, decode_attention.c,
- * causal_attention.c, decode_attention_int8.c) to
- * their operators (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp,
- * attention_ops.cpp, kv_int8_ops.cpp), and the vector paths they choose between at run time. The sources may be
+ * int4_dequant.c, gram_bf16.c, gptq_columns.c, refine_codes.c, grid_scores.c, grid_search.c, grid_fits.c,
+ * rtn_minmax.c, decode_attention.c, causal_attention.c, decode_attention_int8.c) to their operators
+ * (int4_ops.cpp, gemv_rows_ops.cpp, w4a8_ops.cpp, refine_ops.cpp, grid_ops.cpp, attention_ops.cpp,
+ * kv_int8_ops.cpp), and the vector paths they choose between at run time. The sources may be
  * compiled as C or as C++; the interface has C linkage either way. */
 #ifndef INT4Q_H
 #define INT4Q_H
@@ -171,6 +171,19 @@ void int4q_refine_codes(int16_t *codes, const float *step, float *pull, const fl
 
 void int4q_grid_scores(const float *x, const float *w, const float *scale, const float *zero, float *out,
                        int64_t groups, int64_t group, int64_t first, int64_t last, int64_t top);
+void int4q_shrink_search(const float *x, const float *w, const float *lo, const float *hi, const float *sw,
+                         const float *swx, const float *shrinks, int64_t count, int64_t groups, int64_t size,
+                         int64_t first, int64_t last, int64_t top, int symmetric, float *scale_out, float *zero_out);
+void int4q_stretch_search(const float *x, const float *w, const float *low, const float *span, const float *sum_w,
+                          const float *sum_x, const float *sum_x2, const float *steps, int64_t count, int64_t size,
+                          int64_t first, int64_t last, int64_t top, float *step_out, float *zero_out);
+void int4q_signed_search(const float *x, const float *w, const float *top, const float *steps, int64_t count,
+                         int64_t size, int64_t first, int64_t last, int64_t qtop, float *scale_out);
+void int4q_grid_errors(const float *x, const float *w, const float *scales, const float *zeros, int64_t count,
+                       int64_t m, int64_t groups, int64_t size, int64_t first, int64_t last, int64_t top, float *out);
+void int4q_first_fit(const float *x, const double *steps, const double *lows, int64_t count, int64_t m_groups,
+                     int64_t size, int64_t first, int64_t last, int64_t top, int symmetric, double slack,
+                     int64_t *out);
 void int4q_rtn_minmax(const uint16_t *w, uint8_t *codes, uint16_t *scale, uint16_t *zero, double *stats, int64_t k,
                       int64_t group, int64_t first, int64_t last, int symmetric);
 
