@@ -22,12 +22,13 @@ def runs_on(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[-1] % LANES == 0
 
 
-def takes(g: torch.Tensor, storage, symmetric: bool) -> bool:
-    """Whether :func:`shrink_search` gives the shrink loop's result for groups g on ``storage``:
-    grids stored in fp32 (the groups of a K-quant super-block before their levels), asymmetric
-    or symmetric with a signed scale."""
+def takes(g: torch.Tensor, weights: torch.Tensor, storage, symmetric: bool) -> bool:
+    """Whether :func:`shrink_search` gives the shrink loop's result for groups g and weights (both
+    fp32) on ``storage``: grids stored in fp32 (the groups of a K-quant super-block before their
+    levels), asymmetric or symmetric with a signed scale."""
     fp32 = storage.scale_dtype == torch.float32 and storage.zero == "float" and not storage.superblock
-    return runs_on(g) and fp32 and not storage.codebook and (not symmetric or storage.signed_scale)
+    inputs = g.dtype == torch.float32 and weights.dtype == torch.float32
+    return runs_on(g) and inputs and fp32 and not storage.codebook and (not symmetric or storage.signed_scale)
 
 
 def shrink_search(kernel: Callable, g: torch.Tensor, weights: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

@@ -26,7 +26,7 @@ def shrunk_grids(g: torch.Tensor, weights: torch.Tensor, symmetric: bool, storag
     strictly better, so the min/max grid stands on a tie."""
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     fixed = weights.sum(-1), (weights * g).sum(-1)  # sum(w), sum(w g): the same for every grid
-    if fused_search.takes(g, storage, symmetric):
+    if fused_search.takes(g, weights, storage, symmetric):
         return fused_search.shrink_search(SHRINK(), g, weights, lo, hi, fixed, symmetric, storage.bits,
                                           WEIGHTED_SHRINKS)
     return _shrink_loop(g, weights, lo, hi, fixed, symmetric, storage, WEIGHTED_SHRINKS)
