@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantizer.formats.gguf.blocks import Q4_K, Q5_K, Q6_K
-from quantizer.methods import fused_search, llama_searches, shrink_search
+from quantizer.methods import candidates, fused_search, llama_searches, recovery, shrink_search
 from quantizer.methods.codes import code_range
 from quantizer.methods.grid import quantize_groupwise
 from quantizer.methods.llama_searches import IMPORTANCE_STRETCH, SIGNED_STRETCHES, STRETCHES
 from quantizer.methods.shrink_search import WEIGHTED_SHRINKS
 
-KERNELS = (shrink_search.SHRINK, llama_searches.STRETCH, llama_searches.SIGNED)
+KERNELS = (shrink_search.SHRINK, llama_searches.STRETCH, llama_searches.SIGNED, candidates.ERRORS,
+           recovery.FIRST_FIT)
 
 
 def groups_of(rows, groups, size, seed):
