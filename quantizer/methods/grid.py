@@ -30,8 +30,8 @@ from .codebook import codebook_search, dequantize_levels
 from .codes import MID, QMAX, code_range, dequantize_codes, grid_values, round_to_grid  # noqa: F401
 from .recovery import with_recovered
 from .llama_searches import llama_grids
-from .shrink_search import WEIGHTED_SHRINKS, shrunk_grids  # noqa: F401
-from .storage import BF16, INTEGER_ZERO, Storage, grid_params, stored_symmetric  # noqa: F401
+from .shrink_search import shrunk_grids
+from .storage import BF16, INTEGER_ZERO, Storage, grid_params  # noqa: F401
 from .superblock import better_superblocks, superblock_grids
 
 ROW_CHUNK = 4096  # rows are independent: methods work in row chunks to bound their fp32 copies
@@ -144,8 +144,9 @@ def weighted_grid_search(g: torch.Tensor, weights: torch.Tensor | None, symmetri
     weighted squared error sum(weights * (w - deq)^2), weights [G, group] >= 0 (None: all 1, and
     no importance matrix: llama.cpp's candidates are then those of its searches without one).
 
-    Candidates: the min/max grid, each range scaled by the factors of ``WEIGHTED_SHRINKS``, and for
-    each of those the weighted least-squares (scale, zero) for its codes. The min/max grid is a
+    Candidates: the min/max grid, each range scaled by the factors of
+    :data:`.shrink_search.WEIGHTED_SHRINKS`, and for each of those the weighted least-squares
+    (scale, zero) for its codes. The min/max grid is a
     candidate, so the result is never worse than it on this objective (before a super-block
     storage rounds the winner's scale and minimum).
     """
